@@ -1,0 +1,140 @@
+"""The gateway as one ASGI application, assembled from a Config.
+
+Inference routes are plain ASGI (the hot path); the few operational routes answer small JSON or
+text bodies. The upstream client and the health monitor live from lifespan startup to shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import orjson
+
+from gateway.asgi import JSON, Receive, Scope, Send, send_bytes, send_error
+from gateway.chain.pipeline import RequestChain
+from gateway.config import Config
+from gateway.errors import KvgateError, MethodNotAllowed, NotFound
+from gateway.ingress import INFERENCE_ROUTES, ClientGone, parse_payload, read_body
+from gateway.observability.access_log import AccessLog
+from gateway.observability.metrics import GatewayMetrics
+from gateway.routing.endpoints import Fleet, build_pool
+from gateway.routing.health import HealthMonitor
+from gateway.routing.picker import PickStage, RoundRobinPicker
+from gateway.types import RequestContext
+from gateway.upstream.client import build_upstream_client
+from gateway.upstream.headers import request_id_from
+from gateway.upstream.relay import Forwarder
+
+log = logging.getLogger("kvgate")
+
+_STARTUP_PROBE_SECONDS = 3.0
+_OPERATIONAL_ROUTES = frozenset({"/v1/models", "/healthz", "/readyz", "/metrics"})
+_PROMETHEUS = b"text/plain; version=0.0.4; charset=utf-8"
+
+
+class GatewayApp:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.fleet = Fleet(build_pool(p) for p in config.pools)
+        self.metrics = GatewayMetrics(self.fleet)
+        self.access_log = AccessLog(enabled=config.server.access_log)
+        self.client = build_upstream_client(config.upstream, config.timeouts)
+        self.health = HealthMonitor(self.fleet, self.client, config.health)
+        self.chain = RequestChain(
+            stages=[PickStage(RoundRobinPicker(self.fleet))],
+            forward=Forwarder(self.client, config.timeouts,
+                              config.upstream.max_error_body_bytes),
+            settle=self._settle,
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            route = INFERENCE_ROUTES.get(scope["path"])
+            if route is not None:
+                await self._inference(route, scope, receive, send)
+            else:
+                await self._operational(scope, send)
+        elif scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+
+    async def startup(self) -> None:
+        try:
+            async with asyncio.timeout(_STARTUP_PROBE_SECONDS):
+                await self.health.check_once()
+        except TimeoutError:
+            log.warning("initial health probe did not finish in %.0f s", _STARTUP_PROBE_SECONDS)
+        self.health.start()
+
+    async def shutdown(self) -> None:
+        await self.health.stop()
+        await self.client.aclose()
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await self.startup()
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _inference(self, route: str, scope: Scope, receive: Receive, send: Send) -> None:
+        started = time.perf_counter()
+        headers = scope["headers"]
+        request_id = request_id_from(headers)
+        try:
+            if scope["method"] != "POST":
+                raise MethodNotAllowed(f"{scope['method']} is not allowed on {scope['path']}; "
+                                       "use POST", code="method_not_allowed")
+            body = await read_body(headers, receive, self.config.server.max_body_bytes)
+            payload, model, stream = parse_payload(route, body)
+        except ClientGone:
+            return
+        except KvgateError as error:
+            extra = [(b"x-request-id", request_id.encode())]
+            if isinstance(error, MethodNotAllowed):
+                extra.append((b"allow", b"POST"))
+            await send_error(send, error, extra)
+            self.metrics.observe_rejected(route, error.status, str(error.code))
+            self.access_log.rejected(request_id, route, error)
+            return
+        ctx = RequestContext(
+            request_id=request_id, route=route, upstream_path=scope["path"],
+            client_headers=headers, body=body, payload=payload, model=model, stream=stream,
+            started=started,
+        )
+        await self.chain.handle(ctx, receive, send)
+
+    def _settle(self, ctx: RequestContext) -> None:
+        self.metrics.observe(ctx)
+        self.access_log.finished(ctx)
+
+    async def _operational(self, scope: Scope, send: Send) -> None:
+        path = scope["path"]
+        if path not in _OPERATIONAL_ROUTES:
+            await send_error(send, NotFound(f"Unknown route {scope['method']} {path}",
+                                            code="unknown_url"))
+            return
+        if scope["method"] not in ("GET", "HEAD"):
+            await send_error(send, MethodNotAllowed(f"{scope['method']} is not allowed on "
+                                                    f"{path}; use GET"), [(b"allow", b"GET")])
+            return
+        if path == "/v1/models":
+            data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvgate"}
+                    for m in self.fleet.served_models()]
+            await send_bytes(send, 200, orjson.dumps({"object": "list", "data": data}), JSON)
+        elif path == "/healthz":
+            await send_bytes(send, 200, b'{"status":"ok"}', JSON)
+        elif path == "/readyz":
+            unready = self.fleet.unready_pools()
+            if unready:
+                body = {"status": "unready", "pools_without_healthy_endpoint": unready}
+                await send_bytes(send, 503, orjson.dumps(body), JSON)
+            else:
+                await send_bytes(send, 200, b'{"status":"ready"}', JSON)
+        else:
+            await send_bytes(send, 200, self.metrics.render(), _PROMETHEUS)

@@ -1,0 +1,63 @@
+"""Real servers on loopback for tests: any ASGI app served by uvicorn in a background thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import uvicorn
+
+
+class ServerThread:
+    """Serve `app` with uvicorn (httptools, lifespan on) on 127.0.0.1 and a free port, in a
+    thread with its own event loop. `url` is ready once the context manager is entered."""
+
+    def __init__(self, app: Any, lifespan: str = "on") -> None:
+        self.app = app
+        self.server = uvicorn.Server(uvicorn.Config(
+            app, host="127.0.0.1", port=0, loop="asyncio", http="httptools",
+            lifespan=lifespan, access_log=False, log_level="warning"))
+        self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._error: BaseException | None = None
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._serve())
+        except BaseException as exc:
+            self._error = exc
+
+    async def _serve(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        await self.server.serve()
+
+    @property
+    def port(self) -> int:
+        return int(self.server.servers[0].sockets[0].getsockname()[1])
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def call(self, coro: Any) -> Any:
+        """Run a coroutine on the server's loop (to inspect or change its state safely)."""
+        assert self.loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=10)
+
+    def __enter__(self) -> ServerThread:
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            if self._error is not None or not self._thread.is_alive():
+                raise RuntimeError(f"server failed to start: {self._error!r}")
+            if time.monotonic() > deadline:
+                raise RuntimeError("server did not start within 10 s")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=10)
