@@ -1,0 +1,49 @@
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from gateway.app import GatewayApp
+from gateway.config import parse_config
+from tests.servers import ServerThread
+from tests.upstreams import ScriptedUpstream
+
+
+@pytest.fixture
+def upstream() -> Iterator[tuple[ScriptedUpstream, ServerThread]]:
+    app = ScriptedUpstream()
+    with ServerThread(app) as server:
+        yield app, server
+
+
+def gateway_config(urls: list[str], **overrides: Any) -> dict[str, Any]:
+    pool: dict[str, Any] = {"name": "default", "engine": "vllm",
+                            "endpoints": [{"url": u} for u in urls]}
+    pool.update(overrides.pop("pool", {}))
+    config: dict[str, Any] = {"server": {"access_log": False}, "pools": [pool]}
+    config.update(overrides)
+    return config
+
+
+@pytest.fixture
+def start_gateway() -> Iterator[Callable[[dict[str, Any]], tuple[GatewayApp, ServerThread]]]:
+    started: list[ServerThread] = []
+
+    def start(config: dict[str, Any]) -> tuple[GatewayApp, ServerThread]:
+        app = GatewayApp(parse_config(config))
+        server = ServerThread(app).__enter__()
+        started.append(server)
+        return app, server
+
+    yield start
+    for server in started:
+        server.__exit__(None, None, None)
+
+
+@pytest.fixture
+def gateway(upstream: tuple[ScriptedUpstream, ServerThread],
+            start_gateway: Callable[[dict[str, Any]], tuple[GatewayApp, ServerThread]]
+            ) -> tuple[GatewayApp, ServerThread]:
+    return start_gateway(gateway_config([upstream[1].url]))

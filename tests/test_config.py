@@ -1,0 +1,113 @@
+"""Config loading: the documented minimal file, env substitution, and errors naming key paths."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from gateway.config import ConfigError, load_config, parse_config
+
+MINIMAL = """\
+server:
+  port: 8080
+pools:
+  - name: default
+    engine: vllm
+    models: [sim-model]
+    endpoints:
+      - url: http://127.0.0.1:9100
+      - url: http://127.0.0.1:9101
+"""
+
+
+def _write(tmp_path, text: str):
+    path = tmp_path / "kvgate.yaml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_minimal_file_from_the_docs_loads_exactly_as_written(tmp_path):
+    config = load_config(_write(tmp_path, MINIMAL))
+    assert config.server.port == 8080
+    pool = config.pools[0]
+    assert (pool.name, pool.engine, pool.models) == ("default", "vllm", ["sim-model"])
+    assert [e.url for e in pool.endpoints] == ["http://127.0.0.1:9100", "http://127.0.0.1:9101"]
+    assert config.state.backend == "memory"
+    assert config.server.max_body_bytes == 10 * 1024 * 1024
+
+
+@pytest.mark.parametrize("path", ["config/single-node.yaml", "config/demo.yaml"])
+def test_shipped_example_configs_load(path, monkeypatch):
+    monkeypatch.setenv("ENGINE_API_KEY", "k")
+    load_config(path)
+
+
+def test_env_substitution_with_default(tmp_path, monkeypatch):
+    monkeypatch.setenv("ENGINE_KEY", "s3cret")
+    config = load_config(_write(tmp_path, """\
+        pools:
+          - name: p
+            endpoints:
+              - url: http://${ENGINE_HOST:-127.0.0.1}:9100
+                api_key: ${ENGINE_KEY}
+        """))
+    assert config.pools[0].endpoints[0].url == "http://127.0.0.1:9100"
+    assert config.pools[0].endpoints[0].api_key == "s3cret"
+
+
+def _problems(tmp_path, text: str) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load_config(_write(tmp_path, text))
+    assert str(tmp_path) in str(info.value)
+    return info.value.problems
+
+
+def test_every_problem_is_reported_with_its_key_path(tmp_path, monkeypatch):
+    monkeypatch.delenv("MISSING_KEY", raising=False)
+    problems = _problems(tmp_path, """\
+        server:
+          prot: 8080
+        pools:
+          - name: a
+            engine: tgi
+            endpoints:
+              - url: ftp://x
+                api_key: ${MISSING_KEY}
+          - name: b
+            endpoints: []
+        """)
+    assert "server.prot: unknown key (did you mean 'port'?)" in problems
+    assert any(p.startswith("pools[0].engine:") and "vllm" in p for p in problems)
+    assert any(p.startswith("pools[0].endpoints[0].url:") for p in problems)
+    assert "pools[0].endpoints[0].api_key: environment variable MISSING_KEY is not set" in problems
+    assert any(p.startswith("pools[1].endpoints:") for p in problems)
+
+
+def test_cross_checks_duplicates_and_policies(tmp_path):
+    problems = _problems(tmp_path, """\
+        pools:
+          - name: a
+            policy: fastest
+            endpoints: [{url: "http://h:1"}]
+          - name: a
+            endpoints: [{url: "http://h:1"}]
+        """)
+    assert "pools[1].name: duplicate pool name 'a'" in problems
+    assert any(p.startswith("pools[0].policy: unknown policy 'fastest'") for p in problems)
+    assert "pools[1].endpoints[0].url: duplicate endpoint, already in pools[0].endpoints[0].url" \
+        in problems
+
+
+def test_invalid_yaml_names_the_line(tmp_path):
+    problems = _problems(tmp_path, "pools: [\n  - name: a\n")
+    assert problems[0].startswith("line ")
+
+
+def test_missing_pools_and_wrong_top_level(tmp_path):
+    assert _problems(tmp_path, "server: {port: 1}\n") == ["pools: Field required"]
+    with pytest.raises(ConfigError):
+        parse_config(["not", "a", "mapping"])
+    with pytest.raises(ConfigError) as info:
+        load_config(tmp_path / "absent.yaml")
+    assert "cannot read" in info.value.problems[0]

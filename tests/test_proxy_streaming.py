@@ -1,0 +1,150 @@
+"""Streaming done right: no buffering, commit point, disconnects, timeouts — on real sockets."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import httpx
+import orjson
+import pytest
+
+from tests.conftest import gateway_config
+
+CHAT = {"model": "m1", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def _events(raw: bytes) -> list[bytes]:
+    return [e for e in raw.split(b"\n\n") if e]
+
+
+def test_chunks_are_relayed_as_they_arrive(upstream, gateway):
+    engine, _ = upstream
+    engine.script.chunks, engine.script.gap = 5, 0.1
+    _, server = gateway
+    arrivals = []
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=CHAT) as response:
+        assert response.headers["content-type"] == "text/event-stream"
+        assert response.headers["cache-control"] == "no-cache"
+        assert response.headers["x-accel-buffering"] == "no"
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                arrivals.append(time.monotonic())
+    assert len(arrivals) == 5
+    assert arrivals[-1] - arrivals[0] >= 0.3
+
+
+def test_client_disconnect_mid_stream_aborts_upstream(upstream, gateway):
+    engine, _ = upstream
+    engine.script.chunks, engine.script.gap = 100, 0.05
+    app, server = gateway
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=CHAT) as response:
+        next(response.iter_raw())
+        closed_at = time.monotonic()
+    assert engine.disconnected.wait(timeout=2)
+    assert engine.disconnects[0] - closed_at < 1.0
+    _wait_for(lambda: app.fleet.endpoints[0].inflight == 0)
+
+
+def test_client_disconnect_while_waiting_for_unary_answer_aborts_upstream(upstream, gateway):
+    engine, _ = upstream
+    engine.script.headers_delay = 30
+    app, server = gateway
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/chat/completions", timeout=0.3,
+                   json={**CHAT, "stream": False})
+    assert engine.disconnected.wait(timeout=2)
+    _wait_for(lambda: app.fleet.endpoints[0].inflight == 0)
+
+
+def test_failure_before_first_event_is_a_clean_error_response(upstream, gateway):
+    engine, _ = upstream
+    engine.script.close_after_chunks = 0
+    _, server = gateway
+    response = httpx.post(server.url + "/v1/chat/completions", json=CHAT)
+    assert response.status_code == 502
+    assert response.headers["content-type"] == "application/json"
+    assert response.json()["error"]["code"] in ("upstream_stream_truncated",
+                                                "upstream_connection_lost")
+
+
+def test_failure_after_commit_ends_stream_with_error_event_not_done(upstream, gateway):
+    engine, _ = upstream
+    engine.script.chunks, engine.script.close_after_chunks = 5, 2
+    app, server = gateway
+    response = httpx.post(server.url + "/v1/chat/completions", json=CHAT)
+    assert response.status_code == 200
+    events = _events(response.content)
+    assert len(events) == 3
+    assert b"[DONE]" not in response.content
+    last = orjson.loads(events[-1].removeprefix(b"data: "))
+    assert set(last["error"]) == {"message", "type", "param", "code"}
+    _wait_for(lambda: app.fleet.endpoints[0].inflight == 0)
+
+
+def test_first_token_timeout(upstream, start_gateway):
+    engine, server_thread = upstream
+    engine.script.headers_delay = 5
+    _, server = start_gateway(gateway_config([server_thread.url],
+                                             timeouts={"first_token": 0.3}))
+    started = time.monotonic()
+    response = httpx.post(server.url + "/v1/chat/completions", json=CHAT)
+    assert response.status_code == 504
+    assert response.json()["error"]["code"] == "upstream_first_token_timeout"
+    assert time.monotonic() - started < 3
+    assert engine.disconnected.wait(timeout=2)
+
+
+def test_stall_timeout_after_commit_is_an_error_event(upstream, start_gateway):
+    engine, server_thread = upstream
+    engine.script.chunks, engine.script.gap = 3, 2.0
+    _, server = start_gateway(gateway_config([server_thread.url], timeouts={"stall": 0.3}))
+    response = httpx.post(server.url + "/v1/chat/completions", json=CHAT)
+    assert response.status_code == 200
+    last = orjson.loads(_events(response.content)[-1].removeprefix(b"data: "))
+    assert last["error"]["code"] == "upstream_stall_timeout"
+
+
+def test_total_deadline_for_unary(upstream, start_gateway):
+    engine, server_thread = upstream
+    engine.script.headers_delay = 5
+    _, server = start_gateway(gateway_config([server_thread.url], timeouts={"total": 0.3}))
+    response = httpx.post(server.url + "/v1/chat/completions", json={**CHAT, "stream": False})
+    assert response.status_code == 504
+    assert response.json()["error"]["code"] == "deadline_exceeded"
+
+
+def test_non_stream_answer_to_stream_request_is_a_protocol_error(upstream, gateway):
+    engine, _ = upstream
+    engine.script.content_type = b"application/json"
+    _, server = gateway
+    response = httpx.post(server.url + "/v1/chat/completions", json=CHAT)
+    assert response.status_code == 502
+    assert response.json()["error"]["code"] == "upstream_not_a_stream"
+
+
+def test_unreachable_endpoint_is_502_and_not_ready(start_gateway):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    app, server = start_gateway(gateway_config([dead], pool={"models": ["m1"]}))
+    ready = httpx.get(server.url + "/readyz")
+    assert ready.status_code == 503
+    assert ready.json()["pools_without_healthy_endpoint"] == ["default"]
+    response = httpx.post(server.url + "/v1/chat/completions", json=CHAT)
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "no_healthy_endpoint"
+    assert "retry-after" in response.headers
+    app.fleet.endpoints[0].healthy = True
+    app.fleet.refresh()
+    response = httpx.post(server.url + "/v1/chat/completions", json=CHAT)
+    assert response.status_code == 502
+    assert response.json()["error"]["code"] == "upstream_connect_failed"
+    assert app.fleet.endpoints[0].inflight == 0
+
+
+def _wait_for(condition, timeout: float = 2.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)

@@ -1,0 +1,61 @@
+"""The SSE scanner finds events across arbitrary chunk splits without changing any byte."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.upstream.sse import SseProtocolError, SseScanner
+
+STREAM = (
+    b'data: {"id":"1","choices":[{"delta":{"content":"a"}}]}\n\n'
+    b": keep-alive\n\n"
+    b'data: {"id":"1","choices":[{"delta":{"content":"\\"error\\" is a word"}}]}\n\n'
+    b'data: {"id":"1","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}\n\n'
+    b"data: [DONE]\n\n"
+)
+
+
+@pytest.mark.parametrize("size", [1, 2, 7, 64, len(STREAM)])
+def test_any_chunking_gives_the_same_reading(size):
+    scanner = SseScanner()
+    for i in range(0, len(STREAM), size):
+        scanner.feed(STREAM[i:i + size])
+    assert scanner.data_events == 4
+    assert scanner.done and scanner.terminated
+    assert scanner.error is None
+    assert scanner.usage == {"prompt_tokens": 3, "completion_tokens": 2}
+
+
+def test_comment_alone_is_not_an_event():
+    scanner = SseScanner()
+    scanner.feed(b": ping\n\n")
+    assert scanner.data_events == 0 and not scanner.terminated
+
+
+@pytest.mark.parametrize("event", [
+    b'data: {"error": {"message": "boom", "type": "x", "param": null, "code": 500}}\r\n\r\n',
+    b'data: {"object": "error", "message": "boom", "code": 500}\n\n',
+])
+def test_error_events_in_either_shape_terminate(event):
+    scanner = SseScanner()
+    scanner.feed(event)
+    assert scanner.error is not None and scanner.error["message"] == "boom"
+    assert scanner.terminated and not scanner.done
+
+
+def test_content_that_says_error_is_not_an_error():
+    scanner = SseScanner()
+    scanner.feed(b'data: {"choices":[{"delta":{"content":"error"}}],"x":"error"}\n\n')
+    assert scanner.error is None
+
+
+def test_multiline_and_field_prefixed_events():
+    scanner = SseScanner()
+    scanner.feed(b"event: message\nid: 3\ndata: [DONE]\n\n")
+    assert scanner.done
+
+
+def test_oversized_event_is_a_protocol_error():
+    scanner = SseScanner()
+    with pytest.raises(SseProtocolError):
+        scanner.feed(b"data: " + b"x" * (2 * 1024 * 1024))

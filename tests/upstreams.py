@@ -1,0 +1,149 @@
+"""A scripted OpenAI-compatible upstream for proxy tests: exact timing and failures on demand.
+
+Unlike the simulator it models no engine; it does exactly what a test scripts, and records what
+reached it (headers, bodies) and when a client went away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+
+@dataclass
+class Script:
+    """What the upstream does with the next requests."""
+
+    chunks: int = 3
+    gap: float = 0.0
+    status: int = 200
+    error_body: bytes | None = None
+    headers_delay: float = 0.0
+    close_after_chunks: int | None = None
+    hang: bool = False
+    content_type: bytes = b"text/event-stream"
+    extra_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+
+
+@dataclass
+class Received:
+    path: str
+    headers: dict[str, str]
+    body: dict[str, Any]
+
+
+class ScriptedUpstream:
+    def __init__(self, models: tuple[str, ...] = ("m1",), healthy: bool = True) -> None:
+        self.models = list(models)
+        self.healthy = healthy
+        self.script = Script()
+        self.received: list[Received] = []
+        self.disconnects: list[float] = []
+        self.disconnected = threading.Event()
+
+    @property
+    def inference_requests(self) -> list[Received]:
+        return [r for r in self.received if r.path.startswith("/v1/") and r.path != "/v1/models"]
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                done = message["type"].replace(".startup", ".startup.complete").replace(
+                    ".shutdown", ".shutdown.complete")
+                await send({"type": done})
+                if message["type"] == "lifespan.shutdown":
+                    return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        path = scope["path"]
+        if path == "/health":
+            await _reply(send, 200 if self.healthy else 503, b"")
+            return
+        if path == "/v1/models":
+            data = [{"id": m, "object": "model"} for m in self.models]
+            await _reply(send, 200, orjson.dumps({"object": "list", "data": data}))
+            return
+        headers = {k.decode(): v.decode() for k, v in scope["headers"]}
+        payload = orjson.loads(body) if body else {}
+        self.received.append(Received(path, headers, payload))
+        watcher = asyncio.ensure_future(self._watch(receive))
+        try:
+            await self._answer(send, payload)
+        finally:
+            watcher.cancel()
+
+    async def _watch(self, receive: Any) -> None:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            self.disconnects.append(time.monotonic())
+            self.disconnected.set()
+
+    async def _answer(self, send: Any, payload: dict[str, Any]) -> None:
+        script = self.script
+        if script.hang:
+            await asyncio.sleep(3600)
+        await asyncio.sleep(script.headers_delay)
+        if script.status != 200:
+            body = script.error_body or orjson.dumps(
+                {"error": {"message": "scripted failure", "type": "BadRequestError",
+                           "param": None, "code": script.status}})
+            await _reply(send, script.status, body, script.extra_headers)
+            return
+        if not payload.get("stream"):
+            await _reply(send, 200, orjson.dumps(_completion(payload)), script.extra_headers)
+            return
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", script.content_type), *script.extra_headers]})
+        for i in range(script.chunks):
+            if script.close_after_chunks is not None and i == script.close_after_chunks:
+                raise RuntimeError("scripted mid-stream crash")
+            if i and script.gap:
+                await asyncio.sleep(script.gap)
+            chunk = {"id": "cmpl-1", "object": "chat.completion.chunk", "created": 1,
+                     "model": payload.get("model"),
+                     "choices": [{"index": 0, "delta": {"content": f"tok{i} "},
+                                  "finish_reason": "stop" if i == script.chunks - 1 else None}]}
+            await send({"type": "http.response.body", "more_body": True,
+                        "body": b"data: " + orjson.dumps(chunk) + b"\n\n"})
+        if (payload.get("stream_options") or {}).get("include_usage"):
+            usage = {"id": "cmpl-1", "object": "chat.completion.chunk", "created": 1,
+                     "model": payload.get("model"), "choices": [],
+                     "usage": {"prompt_tokens": 5, "completion_tokens": script.chunks,
+                               "total_tokens": 5 + script.chunks}}
+            await send({"type": "http.response.body", "more_body": True,
+                        "body": b"data: " + orjson.dumps(usage) + b"\n\n"})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+
+def _completion(payload: dict[str, Any]) -> dict[str, Any]:
+    if "input" in payload:
+        return {"object": "list", "model": payload["model"],
+                "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2]}],
+                "usage": {"prompt_tokens": 2, "total_tokens": 2}}
+    usage = {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}
+    if "prompt" in payload:
+        return {"id": "cmpl-1", "object": "text_completion", "created": 1,
+                "model": payload["model"],
+                "choices": [{"index": 0, "text": "hello", "finish_reason": "stop",
+                             "logprobs": None}], "usage": usage}
+    return {"id": "chatcmpl-1", "object": "chat.completion", "created": 1,
+            "model": payload["model"],
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "hello"},
+                         "finish_reason": "stop"}], "usage": usage}
+
+
+async def _reply(send: Any, status: int, body: bytes,
+                 headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})
