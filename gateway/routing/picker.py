@@ -28,18 +28,11 @@ class RoundRobinPicker:
 
 
 class PickStage:
-    """Assigns `ctx.endpoint` and owns its in-flight count from dispatch to the end."""
+    """Assigns `ctx.endpoint`. The in-flight count is the forwarder's: it is taken per attempt,
+    at dispatch, so that a request that is refused later never counts against an engine."""
 
     def __init__(self, picker: RoundRobinPicker) -> None:
         self.picker = picker
 
     async def __call__(self, ctx: RequestContext) -> None:
-        endpoint = self.picker.choose(ctx.model)
-        endpoint.inflight += 1
-        ctx.endpoint = endpoint
-        ctx.on_finish(_release_inflight)
-
-
-def _release_inflight(ctx: RequestContext) -> None:
-    assert ctx.endpoint is not None
-    ctx.endpoint.inflight -= 1
+        ctx.endpoint = self.picker.choose(ctx.model)

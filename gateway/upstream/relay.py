@@ -59,10 +59,14 @@ class Forwarder:
                                             content=ctx.body, headers=headers)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeouts.total - (time.perf_counter() - ctx.started)
-        if ctx.stream:
-            await self._relay_stream(ctx, request, send, deadline)
-        else:
-            await self._relay_unary(ctx, request, send, deadline)
+        endpoint.inflight += 1
+        try:
+            if ctx.stream:
+                await self._relay_stream(ctx, request, send, deadline)
+            else:
+                await self._relay_unary(ctx, request, send, deadline)
+        finally:
+            endpoint.inflight -= 1
 
     async def _open(self, request: httpx.Request, until: float, phase: str) -> httpx.Response:
         try:
