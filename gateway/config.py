@@ -58,6 +58,7 @@ class EndpointConfig(_Strict):
     url: str
     api_key: str | None = None
     labels: dict[str, str] = Field(default_factory=dict)
+    max_inflight: int | None = Field(None, gt=0)
 
     @field_validator("url")
     @classmethod

@@ -4,8 +4,26 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from gateway.config import EngineKind, PoolConfig
+
+
+class BreakerView(Protocol):
+    """What routing may ask an endpoint's circuit breaker (owned by the resilience layer)."""
+
+    def admits(self) -> bool:
+        """True when a new request may be sent now (closed, or half-open with a free probe).
+        Pure: asking has no side effect."""
+        ...
+
+
+class _NoBreaker:
+    def admits(self) -> bool:
+        return True
+
+
+NO_BREAKER: BreakerView = _NoBreaker()
 
 
 @dataclass(slots=True, eq=False)
@@ -23,13 +41,24 @@ class Endpoint:
     configured_models: frozenset[str]
     auth_header: bytes | None = None
     labels: dict[str, str] = field(default_factory=dict)
+    max_inflight: int | None = None
     discovered_models: frozenset[str] = frozenset()
     healthy: bool = True
     inflight: int = 0
+    breaker: BreakerView = NO_BREAKER
 
     @property
     def models(self) -> frozenset[str]:
         return self.configured_models | self.discovered_models
+
+    @property
+    def saturated(self) -> bool:
+        """True when sending more work here would only queue it on the engine."""
+        return self.max_inflight is not None and self.inflight >= self.max_inflight
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy and self.breaker.admits()
 
     @property
     def health_path(self) -> str:
@@ -58,6 +87,7 @@ def build_pool(config: PoolConfig) -> Pool:
             configured_models=frozenset(config.models),
             auth_header=f"Bearer {ep.api_key}".encode() if ep.api_key else None,
             labels=dict(ep.labels),
+            max_inflight=ep.max_inflight,
         )
         for i, ep in enumerate(config.endpoints)
     ]
