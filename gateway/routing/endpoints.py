@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from gateway.config import EngineKind, PoolConfig
+
+if TYPE_CHECKING:
+    from gateway.types import RequestContext
 
 
 class BreakerView(Protocol):
@@ -50,6 +53,14 @@ class Endpoint:
     @property
     def models(self) -> frozenset[str]:
         return self.configured_models | self.discovered_models
+
+    def begin_attempt(self, ctx: RequestContext) -> None:
+        """Called by the forwarder when an attempt is dispatched here."""
+        self.inflight += 1
+
+    def end_attempt(self, ctx: RequestContext) -> None:
+        """Called exactly once per `begin_attempt`, on every terminal path of the attempt."""
+        self.inflight -= 1
 
     @property
     def saturated(self) -> bool:

@@ -59,14 +59,14 @@ class Forwarder:
                                             content=ctx.body, headers=headers)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeouts.total - (time.perf_counter() - ctx.started)
-        endpoint.inflight += 1
+        endpoint.begin_attempt(ctx)
         try:
             if ctx.stream:
                 await self._relay_stream(ctx, request, send, deadline)
             else:
                 await self._relay_unary(ctx, request, send, deadline)
         finally:
-            endpoint.inflight -= 1
+            endpoint.end_attempt(ctx)
 
     async def _open(self, request: httpx.Request, until: float, phase: str) -> httpx.Response:
         try:
