@@ -8,4 +8,4 @@ RUN pip install --no-cache-dir . && useradd --system kvgate
 USER kvgate
 EXPOSE 8080
 ENTRYPOINT ["kvgate"]
-CMD ["demo", "--port", "8080"]
+CMD ["demo", "--host", "0.0.0.0", "--port", "8080"]

@@ -87,7 +87,7 @@ kvgate demo: gateway on {base} over {n} simulated vLLM engines (in-memory state)
 Press Ctrl+C to stop."""
 
 
-async def _run_demo(port: int, log_level: str) -> None:
+async def _run_demo(host: str, port: int, log_level: str) -> None:
     from gateway.app import GatewayApp
     from gateway.sim import EngineOptions, SimFleet
 
@@ -95,18 +95,18 @@ async def _run_demo(port: int, log_level: str) -> None:
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        listener.bind(("127.0.0.1", port))
+        listener.bind((host, port))
     except OSError as exc:
         listener.close()
-        raise SystemExit(f"kvgate demo: cannot listen on 127.0.0.1:{port}: {exc.strerror}; "
+        raise SystemExit(f"kvgate demo: cannot listen on {host}:{port}: {exc.strerror}; "
                          "choose another with --port") from None
     bound = listener.getsockname()[1]
     options = EngineOptions(flavor="vllm", models=[DEMO_MODEL], profile="realistic")
     async with SimFleet(engines=DEMO_ENGINES, base_port=0, options=options) as fleet:
         config = demo_config(list(fleet.urls), bound)
-        server = uvicorn.Server(_uvicorn_config(GatewayApp(config), "127.0.0.1", bound,
-                                                log_level))
-        print(_SNIPPET.format(base=f"http://127.0.0.1:{bound}/v1", n=DEMO_ENGINES,
+        server = uvicorn.Server(_uvicorn_config(GatewayApp(config), host, bound, log_level))
+        shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        print(_SNIPPET.format(base=f"http://{shown}:{bound}/v1", n=DEMO_ENGINES,
                               model=DEMO_MODEL), flush=True)
         await server.serve(sockets=[listener])
 
@@ -114,7 +114,7 @@ async def _run_demo(port: int, log_level: str) -> None:
 def _cmd_demo(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level)
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_run_demo(args.port, args.log_level))
+        asyncio.run(_run_demo(args.host, args.port, args.log_level))
     return 0
 
 
@@ -140,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser(
         "demo", help="run the gateway over an embedded simulated fleet, in-memory state")
+    demo.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     demo.add_argument("--port", type=int, default=8080, help="listen port (default 8080)")
     demo.add_argument("--log-level", default="info",
                       choices=["debug", "info", "warning", "error"])

@@ -1,0 +1,128 @@
+"""The command line as users run it: real subprocesses."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+KVGATE = [sys.executable, "-m", "gateway.cli"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, _stop(proc).decode()
+        try:
+            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.1)
+    raise AssertionError("kvgate did not become ready")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> bytes:
+    """Terminate, collect the output and close the pipes."""
+    proc.terminate()
+    try:
+        out, _ = proc.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+    return out or b""
+
+
+def test_version_and_help():
+    out = subprocess.run([*KVGATE, "--version"], capture_output=True, text=True, check=True)
+    assert out.stdout.startswith("kvgate ")
+    for command in ("serve", "demo", "sim", "check-config"):
+        help_text = subprocess.run([*KVGATE, command, "--help"], capture_output=True,
+                                   text=True, check=True).stdout
+        assert f"kvgate {command}" in help_text
+
+
+def test_check_config_names_the_broken_key(tmp_path: Path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("server:\n  port: eighty\npools:\n  - name: a\n    endpoints:\n"
+                   "      - url: http://h:1\n        weight: 3\n")
+    result = subprocess.run([*KVGATE, "check-config", str(bad)], capture_output=True, text=True)
+    assert result.returncode == 1
+    assert f"{bad}: server.port:" in result.stderr
+    assert f"{bad}: pools[0].endpoints[0].weight: unknown key" in result.stderr
+    good = subprocess.run([*KVGATE, "check-config", "config/demo.yaml"], capture_output=True,
+                          text=True)
+    assert good.returncode == 0, good.stderr
+
+
+def test_serve_rejects_a_broken_config_without_starting(tmp_path: Path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("pools: []\n")
+    result = subprocess.run([*KVGATE, "serve", "--config", str(bad)], capture_output=True,
+                            text=True, timeout=30)
+    assert result.returncode == 1
+    assert "pools" in result.stderr
+
+
+@pytest.mark.timeout(90)
+def test_demo_streams_a_chat_completion_to_the_openai_sdk():
+    port = _free_port()
+    proc = subprocess.Popen([*KVGATE, "demo", "--port", str(port), "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        base = f"http://127.0.0.1:{port}"
+        _wait_ready(base, proc)
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+        stream = client.chat.completions.create(
+            model="sim-model", stream=True, max_tokens=12,
+            messages=[{"role": "user", "content": "Tell me about KV caches."}])
+        contents = [c.choices[0].delta.content for c in stream if c.choices]
+        assert len([c for c in contents if c]) >= 5
+        assert [m.id for m in client.models.list()] == ["sim-model"]
+    finally:
+        output = _stop(proc)
+    assert b"base_url=" in output
+
+
+@pytest.mark.timeout(90)
+def test_serve_runs_the_minimal_config_against_simulated_engines(tmp_path: Path):
+    from gateway.sim import EngineOptions, SimFleet
+
+    with SimFleet.in_thread(engines=2, options=EngineOptions(profile="fast")) as fleet:
+        port = _free_port()
+        config = tmp_path / "kvgate.yaml"
+        endpoints = "".join(f"      - url: {u}\n" for u in fleet.urls)
+        config.write_text(f"server:\n  port: {port}\npools:\n  - name: default\n"
+                          f"    engine: vllm\n    models: [sim-model]\n    endpoints:\n"
+                          f"{endpoints}")
+        proc = subprocess.Popen([*KVGATE, "serve", "--config", str(config), "--host",
+                                 "127.0.0.1", "--log-level", "warning"],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        try:
+            base = f"http://127.0.0.1:{port}"
+            _wait_ready(base, proc)
+            client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+            seen = set()
+            for _ in range(4):
+                raw = client.chat.completions.with_raw_response.create(
+                    model="sim-model", max_tokens=4,
+                    messages=[{"role": "user", "content": "hello"}])
+                seen.add(raw.headers["x-kvgate-endpoint"])
+                assert raw.parse().choices[0].message.content
+            assert len(seen) == 2
+            assert httpx.get(base + "/readyz").status_code == 200
+        finally:
+            _stop(proc)
