@@ -1,0 +1,66 @@
+"""Render chat messages to one prompt string, the way a ChatML-style template does.
+
+Each message becomes `<|im_start|>{role}\\n{content}<|im_end|>\\n`. The generation prompt
+is `<|im_start|>assistant\\n`. Rendering with `continue_final_message=True` leaves the last
+(assistant) message open, so
+
+    render(messages + [{"role": "assistant", "content": partial}], continue_final_message=True)
+    == render(messages, add_generation_prompt=True) + partial
+
+which is what makes a continued answer reproduce the uninterrupted one exactly.
+"""
+
+from typing import Any
+
+MESSAGE_START = "<|im_start|>"
+MESSAGE_END = "<|im_end|>\n"
+
+
+class TemplateError(ValueError):
+    """The messages cannot be rendered; the message is fit for a 400 answer."""
+
+
+def message_text(content: Any) -> str:
+    """Return the text of an OpenAI message `content` (a string, null, or a list of parts)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise TemplateError("only text content parts are supported by the simulator")
+            texts.append(str(part.get("text", "")))
+        return "".join(texts)
+    raise TemplateError("message content must be a string or a list of content parts")
+
+
+def render_chat(
+    messages: list[Any], *, add_generation_prompt: bool, continue_final_message: bool
+) -> str:
+    """Render `messages` to a prompt; raise TemplateError on malformed input.
+
+    With `continue_final_message`, the last message must be from the assistant and is left
+    open (no end marker) so generation continues it; `add_generation_prompt` must then be
+    false, as vLLM requires.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise TemplateError("messages must be a non-empty list")
+    if continue_final_message and add_generation_prompt:
+        raise TemplateError(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+        )
+    parts = []
+    for message in messages:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise TemplateError("each message must be an object with a string 'role'")
+        parts.append(f"{MESSAGE_START}{message['role']}\n{message_text(message.get('content'))}")
+        parts.append(MESSAGE_END)
+    if continue_final_message:
+        if messages[-1]["role"] != "assistant":
+            raise TemplateError("continue_final_message needs a final assistant message")
+        parts.pop()
+    elif add_generation_prompt:
+        parts.append(f"{MESSAGE_START}assistant\n")
+    return "".join(parts)

@@ -1,0 +1,88 @@
+"""`kvgate sim`: serve N simulated engines on consecutive ports until interrupted."""
+
+import argparse
+import asyncio
+import signal
+
+from .faults import FAULT_MODES, Fault
+from .fleet import SimFleet
+from .options import DEFAULT_KV_BLOCKS, DEFAULT_MODEL, PROFILES, EngineOptions
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare the `sim` command's options on `parser`."""
+    parser.add_argument("--engines", type=int, default=1, help="number of engines")
+    parser.add_argument(
+        "--base-port",
+        type=int,
+        default=9100,
+        help="engine i listens on base-port + i (0: ephemeral ports)",
+    )
+    parser.add_argument("--flavor", choices=("vllm", "sglang"), default="vllm")
+    parser.add_argument(
+        "--model",
+        nargs="+",
+        default=[DEFAULT_MODEL],
+        dest="models",
+        metavar="NAME",
+        help="served model names",
+    )
+    parser.add_argument("--profile", choices=tuple(PROFILES), default="realistic")
+    parser.add_argument("--speed", type=float, default=1.0, help="divide all times by X")
+    parser.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=DEFAULT_KV_BLOCKS,
+        help="KV cache blocks of 16 tokens per engine",
+    )
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--fault",
+        choices=FAULT_MODES,
+        default=None,
+        help="start every engine with this fault (default parameters)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until SIGINT or SIGTERM; print one line per engine once listening."""
+    try:
+        options = EngineOptions(
+            flavor=args.flavor,
+            models=args.models,
+            profile=args.profile,
+            speed=args.speed,
+            kv_blocks=args.kv_blocks,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            seed=args.seed,
+            fault=Fault(args.fault).as_json() if args.fault else None,
+        )
+    except ValueError as error:
+        print(f"kvgate sim: {error}")
+        return 2
+    return asyncio.run(_serve(args.engines, args.base_port, options))
+
+
+async def _serve(engines: int, base_port: int, options: EngineOptions) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        async with SimFleet(engines, base_port, options) as fleet:
+            for engine in fleet.engines:
+                print(
+                    f"engine {engine.index} {options.flavor} {options.models[0]} {engine.url}",
+                    flush=True,
+                )
+            await stop.wait()
+    except OSError as error:
+        print(f"kvgate sim: {error}")
+        return 1
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
+    return 0

@@ -1,0 +1,315 @@
+"""The engine core: continuous batching over a paged KV cache with prefix caching.
+
+Each step takes the running requests (decodes and unfinished chunked prefills) first, then
+admits waiting requests while the token budget, `max_num_seqs` and free KV blocks allow,
+like vLLM's scheduler. When a running request needs a block and none is free, the
+lowest-priority (for FCFS: newest) running request is preempted: its blocks are freed and
+it goes back to the waiting queue to be recomputed. A step then "runs" for
+    (step_seconds + prefill tokens x prefill_token_seconds + decodes x decode_seq_seconds)
+    / speed
+and every request whose computed tokens caught up samples its next token.
+
+Immediate profiles (`fast`) bypass the queue: a request is served in full inside `submit`,
+still going through prefix matching so cached-token counts and metrics stay truthful.
+"""
+
+import asyncio
+import bisect
+import contextlib
+
+from .kv_cache import BlockPool, extend_block_hashes
+from .options import EngineOptions
+from .sequence import GenerationRequest
+from .stats import EngineCounters
+from .textgen import TAIL_CHARS, TextGenerator
+
+ABORTED = "abort"
+
+
+class EngineCore:
+    """Owns the KV pool, the waiting and running queues and the step loop of one engine."""
+
+    def __init__(self, options: EngineOptions, counters: EngineCounters) -> None:
+        self._options = options
+        self._timing = options.timing
+        self._counters = counters
+        self._generator = TextGenerator(options.seed)
+        self._block_size = options.block_size
+        self.pool = BlockPool(options.kv_blocks, options.block_size)
+        self.waiting: list[GenerationRequest] = []
+        self.running: list[GenerationRequest] = []
+        self._work_arrived = asyncio.Event()
+        self._step_loop: asyncio.Task[None] | None = None
+
+    # --- lifecycle -------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the step loop on the running event loop (no-op for immediate profiles)."""
+        if not self._timing.immediate and self._step_loop is None:
+            self._step_loop = asyncio.get_running_loop().create_task(self._run_steps())
+
+    async def close(self) -> None:
+        """Stop the step loop and finish every queued or running request as aborted."""
+        if self._step_loop is not None:
+            self._step_loop.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._step_loop
+            self._step_loop = None
+        for request in [*self.running, *self.waiting]:
+            self._finish(request, ABORTED)
+        self.running.clear()
+        self.waiting.clear()
+
+    # --- requests --------------------------------------------------------------------
+
+    def submit(self, request: GenerationRequest) -> None:
+        """Queue `request` (or, for immediate profiles, serve it to completion now)."""
+        if self._timing.immediate:
+            self._serve_immediately(request)
+            return
+        bisect.insort(self.waiting, request, key=lambda queued: queued.schedule_key)
+        self._work_arrived.set()
+
+    def abort(self, request: GenerationRequest, *, by_client: bool = True) -> None:
+        """Drop an unfinished request and free its blocks; `by_client` counts it as aborted
+        by a client disconnect (injected crashes are not)."""
+        if request.finished:
+            return
+        if request in self.running:
+            self.running.remove(request)
+            self._free_blocks(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        if by_client:
+            self._counters.requests_aborted += 1
+        self._finish(request, ABORTED)
+        self._work_arrived.set()
+
+    @property
+    def num_used_tokens(self) -> int:
+        """Token slots held by requests (blocks in use x block size)."""
+        return (self.pool.num_blocks - self.pool.num_free) * self._block_size
+
+    # --- the step loop ---------------------------------------------------------------
+
+    async def _run_steps(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self.running and not self.waiting:
+                self._work_arrived.clear()
+                await self._work_arrived.wait()
+                continue
+            started = loop.time()
+            batch = self._schedule()
+            if not batch:
+                # Everything running was preempted; admission resumes next step. If nothing
+                # runs at all, only a new arrival or an abort can change the picture.
+                self._work_arrived.clear()
+                if self.running:
+                    await asyncio.sleep(0)
+                else:
+                    await self._work_arrived.wait()
+                continue
+            await asyncio.sleep(max(0.0, started + self._step_seconds(batch) - loop.time()))
+            self._complete_step(batch, loop.time())
+
+    def _step_seconds(self, batch: list[tuple[GenerationRequest, int]]) -> float:
+        timing = self._timing
+        prefill_tokens = sum(count for _, count in batch if count > 1)
+        decodes = sum(1 for _, count in batch if count == 1)
+        seconds = (
+            timing.step_seconds
+            + prefill_tokens * timing.prefill_token_seconds
+            + decodes * timing.decode_seq_seconds
+        )
+        return seconds / self._options.speed
+
+    def _schedule(self) -> list[tuple[GenerationRequest, int]]:
+        """Pick this step's work: `(request, tokens to compute)` pairs."""
+        budget = self._options.max_num_batched_tokens
+        batch: dict[GenerationRequest, int] = {}
+        preempted = False
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request not in self.running:  # preempted earlier in this loop
+                continue
+            count = min(len(request.all_tokens) - request.num_computed, budget)
+            while not self._grow(request, request.num_computed + count):
+                victim = max(self.running, key=lambda running: running.schedule_key)
+                budget += batch.pop(victim, 0)
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                batch[request] = count
+                budget -= count
+        if not preempted:
+            budget = self._admit_waiting(batch, budget)
+        return list(batch.items())
+
+    def _admit_waiting(self, batch: dict[GenerationRequest, int], budget: int) -> int:
+        size = self._block_size
+        while self.waiting and budget > 0 and len(self.running) < self._options.max_num_seqs:
+            request = self.waiting[0]
+            total = len(request.all_tokens)
+            extend_block_hashes(
+                request.block_hashes, request.all_tokens, total, size, request.params.cache_salt
+            )
+            # At least one token is always computed, so a fully cached prompt hits one
+            # block less than it holds, as in vLLM.
+            hit = self.pool.cached_prefix(request.block_hashes[: (total - 1) // size])
+            computed = len(hit) * size
+            count = min(total - computed, budget)
+            needed = -(-(computed + count) // size) - len(hit)
+            if self.pool.num_free_besides(hit) < needed:
+                break
+            self.pool.reference(hit)
+            new_blocks = self.pool.allocate(needed)
+            assert new_blocks is not None  # checked just above
+            request.blocks = hit + new_blocks
+            request.num_computed = computed
+            request.num_registered_blocks = len(hit)
+            self._count_prefix_lookup(request, computed)
+            self.waiting.pop(0)
+            self.running.append(request)
+            batch[request] = count
+            budget -= count
+        return budget
+
+    def _grow(self, request: GenerationRequest, num_tokens: int) -> bool:
+        needed = -(-num_tokens // self._block_size) - len(request.blocks)
+        if needed <= 0:
+            return True
+        blocks = self.pool.allocate(needed)
+        if blocks is None:
+            return False
+        request.blocks.extend(blocks)
+        return True
+
+    def _preempt(self, request: GenerationRequest) -> None:
+        self.running.remove(request)
+        self._free_blocks(request)
+        bisect.insort(self.waiting, request, key=lambda queued: queued.schedule_key)
+        self._counters.preemptions += 1
+
+    def _complete_step(self, batch: list[tuple[GenerationRequest, int]], now: float) -> None:
+        for request, count in batch:
+            if request.finished:  # aborted while the step ran
+                continue
+            request.num_computed += count
+            self._register_full_blocks(request)
+            if request.num_computed == len(request.all_tokens):
+                self._sample(request, now)
+                if request.finished:
+                    self.running.remove(request)
+                    self._free_blocks(request)
+
+    # --- immediate serving -----------------------------------------------------------
+
+    def _serve_immediately(self, request: GenerationRequest) -> None:
+        size = self._block_size
+        total = len(request.all_tokens)
+        extend_block_hashes(
+            request.block_hashes, request.all_tokens, total, size, request.params.cache_salt
+        )
+        hit = self.pool.cached_prefix(request.block_hashes[: (total - 1) // size])
+        self._count_prefix_lookup(request, len(hit) * size)
+        now = asyncio.get_running_loop().time()
+        while not request.finished:
+            self._sample(request, now)
+        # Leave the request's full blocks in the cache as if it had just released them.
+        self.pool.reference(hit)
+        needed = -(-len(request.all_tokens) // size) - len(hit)
+        request.blocks = hit + (self.pool.allocate(needed) or [])
+        request.num_registered_blocks = len(hit)
+        request.num_computed = min(len(request.all_tokens), len(request.blocks) * size)
+        self._register_full_blocks(request)
+        self._free_blocks(request)
+
+    # --- shared bookkeeping ----------------------------------------------------------
+
+    def _count_prefix_lookup(self, request: GenerationRequest, hit_tokens: int) -> None:
+        self._counters.prefix_queries += len(request.all_tokens)
+        self._counters.prefix_hits += hit_tokens
+        if request.cached_tokens is None:
+            request.cached_tokens = hit_tokens
+
+    def _register_full_blocks(self, request: GenerationRequest) -> None:
+        full = request.num_computed // self._block_size
+        if full <= request.num_registered_blocks:
+            return
+        extend_block_hashes(
+            request.block_hashes,
+            request.all_tokens,
+            request.num_computed,
+            self._block_size,
+            request.params.cache_salt,
+        )
+        for index in range(request.num_registered_blocks, full):
+            self.pool.register(request.blocks[index], request.block_hashes[index])
+        request.num_registered_blocks = full
+
+    def _free_blocks(self, request: GenerationRequest) -> None:
+        self.pool.release(request.blocks)
+        request.blocks = []
+        request.num_computed = 0
+        request.num_registered_blocks = 0
+
+    def _sample(self, request: GenerationRequest, now: float) -> None:
+        """Append the next token to `request` and decide whether it finished."""
+        token, ends = self._generator.next_token(request.tail)
+        request.tail = (request.tail + token)[-TAIL_CHARS:]
+        request.all_tokens.append(token)
+        request.output_tokens.append(token)
+        request.output_chars += len(token)
+        counters = self._counters
+        counters.generation_tokens += 1
+        if request.first_token_at is None:
+            request.first_token_at = now
+            counters.prompt_tokens += len(request.prompt_tokens)
+            counters.time_to_first_token.observe(now - request.arrival)
+        else:
+            assert request.last_token_at is not None
+            counters.inter_token_latency.observe(now - request.last_token_at)
+        request.last_token_at = now
+        params = request.params
+        if (params.stop and self._hit_stop_string(request)) or (ends and not params.ignore_eos):
+            self._finish(request, "stop")
+        elif (
+            len(request.output_tokens) >= params.max_tokens
+            or len(request.all_tokens) >= self._options.context_length
+        ):
+            self._finish(request, "length")
+        else:
+            request.notify()
+
+    def _hit_stop_string(self, request: GenerationRequest) -> bool:
+        """Look for a stop string ending in the newest token; on a hit, cut the text before it."""
+        stops = request.params.stop
+        tokens = request.output_tokens
+        wanted = max(map(len, stops)) + len(tokens[-1]) - 1
+        pieces: list[str] = []
+        length = 0
+        for token in reversed(tokens):
+            pieces.append(token)
+            length += len(token)
+            if length >= wanted:
+                break
+        window = "".join(reversed(pieces))
+        hits = [(index, stop) for stop in stops if (index := window.find(stop)) != -1]
+        if not hits:
+            return False
+        index, stop = min(hits)
+        request.text_limit = request.output_chars - len(window) + index
+        request.stop_reason = stop
+        return True
+
+    def _finish(self, request: GenerationRequest, reason: str) -> None:
+        request.finish_reason = reason
+        if reason != ABORTED:
+            self._counters.requests_completed += 1
+            if request.last_token_at is not None:
+                self._counters.e2e_latency.observe(request.last_token_at - request.arrival)
+        request.notify()

@@ -1,0 +1,190 @@
+"""The HTTP surface per flavour: metrics, errors, loads, models, embeddings, the OpenAI SDK."""
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.sim import EngineOptions, SimFleet
+
+from .helpers import LONG_TEXT, chat_body
+
+VLLM_FAMILIES = {
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:prefix_cache_queries",
+    "vllm:prefix_cache_hits",
+    "vllm:cache_config_info",
+    "vllm:prompt_tokens",
+    "vllm:generation_tokens",
+    "vllm:time_to_first_token_seconds",
+    "vllm:inter_token_latency_seconds",
+    "vllm:e2e_request_latency_seconds",
+    "vllm:num_preemptions",
+}
+SGLANG_FAMILIES = {
+    "sglang:num_running_reqs",
+    "sglang:num_queue_reqs",
+    "sglang:token_usage",
+    "sglang:cache_hit_rate",
+    "sglang:cached_tokens",
+    "sglang:cache_config_info",
+    "sglang:time_to_first_token_seconds",
+    "sglang:inter_token_latency_seconds",
+    "sglang:prompt_tokens",
+    "sglang:generation_tokens",
+}
+
+
+def _samples(text: str) -> dict[str, list]:
+    return {family.name: family.samples for family in text_string_to_metric_families(text)}
+
+
+@pytest.mark.parametrize("flavor", ["vllm", "sglang"])
+async def test_metrics_parse_and_reflect_prefix_hits(flavor):
+    options = EngineOptions(flavor=flavor, speed=50, kv_blocks=500)
+    async with SimFleet(1, options=options) as fleet, httpx.AsyncClient(timeout=10) as client:
+        url = fleet.urls[0]
+        for _ in range(3):
+            body = chat_body(LONG_TEXT * 5, max_tokens=5, ignore_eos=True)
+            assert (await client.post(f"{url}/v1/chat/completions", json=body)).status_code == 200
+        families = _samples((await client.get(f"{url}/metrics")).text)
+    expected = VLLM_FAMILIES if flavor == "vllm" else SGLANG_FAMILIES
+    assert expected <= set(families)
+    for samples in families.values():
+        assert all(sample.labels["model_name"] == "sim-model" for sample in samples)
+    if flavor == "vllm":
+        assert families["vllm:prefix_cache_hits"][0].value > 0
+        assert families["vllm:prefix_cache_hits"][0].labels["engine"] == "0"
+        info = families["vllm:cache_config_info"][0].labels
+        assert (info["block_size"], info["num_gpu_blocks"]) == ("16", "500")
+        ttft_count = [
+            s for s in families["vllm:time_to_first_token_seconds"] if s.name.endswith("_count")
+        ]
+        assert ttft_count[0].value == 3
+        assert families["vllm:generation_tokens"][0].value == 15
+    else:
+        assert families["sglang:cached_tokens"][0].value > 0
+        assert 0 < families["sglang:cache_hit_rate"][0].value < 1
+        info = families["sglang:cache_config_info"][0].labels
+        assert (info["page_size"], info["num_pages"]) == ("16", "500")
+
+
+async def test_sglang_loads_and_legacy_get_load():
+    options = EngineOptions(flavor="sglang", profile="fast")
+    async with SimFleet(1, options=options) as fleet, httpx.AsyncClient(timeout=10) as client:
+        loads = (await client.get(f"{fleet.urls[0]}/v1/loads")).json()
+        legacy = (await client.get(f"{fleet.urls[0]}/get_load")).json()
+    rank = loads["loads"][0]
+    assert rank["dp_rank"] == 0
+    assert {"num_running_reqs", "num_waiting_reqs", "num_used_tokens", "token_usage"} <= set(rank)
+    assert legacy == [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
+
+
+@pytest.mark.parametrize("flavor", ["vllm", "sglang"])
+async def test_too_long_prompt_is_a_400_before_any_stream(flavor):
+    options = EngineOptions(flavor=flavor, profile="fast", kv_blocks=64, max_model_len=256)
+    body = chat_body(LONG_TEXT * 20, stream=True)
+    async with SimFleet(1, options=options) as fleet, httpx.AsyncClient(timeout=10) as client:
+        response = await client.post(f"{fleet.urls[0]}/v1/chat/completions", json=body)
+        unknown = await client.post(
+            f"{fleet.urls[0]}/v1/completions", json={"model": "nope", "prompt": "x"}
+        )
+    assert response.status_code == 400
+    assert response.headers["content-type"] == "application/json"
+    if flavor == "vllm":
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["code"] == 400 and error["type"] == "BadRequestError"
+        assert "maximum context length is 256" in error["message"]
+        assert unknown.json()["error"]["code"] == 404
+    else:
+        error = response.json()
+        assert error["object"] == "error" and error["code"] == 400 and error["param"] is None
+        assert "context length" in error["message"]
+        assert unknown.json()["code"] == 404
+    assert unknown.status_code == 404
+
+
+async def test_models_health_embeddings_and_priority():
+    options = EngineOptions(profile="fast", models=["alpha", "beta"], scheduling_policy="fcfs")
+    async with SimFleet(1, options=options) as fleet, httpx.AsyncClient(timeout=10) as client:
+        url = fleet.urls[0]
+        models = (await client.get(f"{url}/v1/models")).json()
+        health = await client.get(f"{url}/health")
+        first = (
+            await client.post(
+                f"{url}/v1/embeddings", json={"model": "beta", "input": ["a b c", "d"]}
+            )
+        ).json()
+        again = (await client.post(f"{url}/v1/embeddings", json={"input": "a b c"})).json()
+        priority = await client.post(
+            f"{url}/v1/chat/completions", json={**chat_body("x"), "model": "alpha", "priority": 3}
+        )
+    assert [model["id"] for model in models["data"]] == ["alpha", "beta"]
+    assert health.status_code == 200
+    assert len(first["data"]) == 2 and len(first["data"][0]["embedding"]) == 384
+    assert first["data"][0]["embedding"] == again["data"][0]["embedding"]
+    assert priority.status_code == 400  # vLLM's default fcfs policy rejects priorities
+
+
+async def test_fast_profile_serves_many_requests_with_correct_usage():
+    options = EngineOptions(profile="fast")
+    async with SimFleet(1, options=options) as fleet, httpx.AsyncClient(timeout=10) as client:
+        url = fleet.urls[0]
+        body = chat_body(
+            LONG_TEXT * 3,
+            max_tokens=8,
+            ignore_eos=True,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        for _ in range(50):
+            response = await client.post(f"{url}/v1/chat/completions", json=body)
+            assert response.text.endswith("data: [DONE]\n\n")
+        stats = fleet.engines[0].stats()
+    assert stats["requests_completed"] == 50
+    assert stats["tokens_generated"] == 400
+    assert '"cached_tokens":' in response.text and '"cached_tokens":0' not in response.text
+
+
+def test_openai_sdk_streams_chat_and_completions_from_a_threaded_fleet():
+    options = EngineOptions(speed=50)
+    with SimFleet.in_thread(engines=1, options=options) as fleet:
+        client = openai.OpenAI(base_url=f"{fleet.urls[0]}/v1", api_key="unused")
+        chunks = list(
+            client.chat.completions.create(
+                model="sim-model",
+                messages=[{"role": "user", "content": "hello"}],
+                max_tokens=6,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
+        )
+        completion = list(
+            client.completions.create(
+                model="sim-model",
+                prompt="hello",
+                max_tokens=6,
+                stream=True,
+            )
+        )
+        client.close()
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    assert text
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
+    assert "".join(chunk.choices[0].text for chunk in completion)
+
+
+async def test_async_openai_sdk_reports_cached_tokens():
+    async with SimFleet(1, options=EngineOptions(speed=50)) as fleet:
+        client = openai.AsyncOpenAI(base_url=f"{fleet.urls[0]}/v1", api_key="unused")
+        messages = [{"role": "user", "content": LONG_TEXT * 4}]
+        await client.chat.completions.create(model="sim-model", messages=messages, max_tokens=2)
+        again = await client.chat.completions.create(
+            model="sim-model", messages=messages, max_tokens=2
+        )
+        await client.close()
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
