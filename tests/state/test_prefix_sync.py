@@ -1,0 +1,51 @@
+"""The shared prefix index: deltas and snapshots round-trip; replicas agree through Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from gateway.routing.prefix_index import PrefixHasher
+from gateway.state.memory import MemoryStore
+from gateway.state.prefix_sync import SharedPrefixIndex, decode_delta, encode_delta
+from gateway.state.redis_store import RedisStore, RedisStoreSettings
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_delta_round_trip_keeps_full_64_bit_hashes():
+    hashes = [0, 1, 2**64 - 1, 12345678901234567890]
+    assert decode_delta(encode_delta("pool-ä-3", hashes)) == ("pool-ä-3", tuple(hashes))
+
+
+def test_snapshot_restores_entries_with_their_age():
+    source = SharedPrefixIndex(MemoryStore(), ttl=100)
+    chain = PrefixHasher().hashes("x" * 1000, "m")
+    source.record("a", chain, now=time.monotonic() - 50)
+    source.record("b", chain[:3])
+    copy = SharedPrefixIndex(MemoryStore(), ttl=100)
+    copy.restore(source.snapshot())
+    assert copy.match(chain, ["a", "b", "c"]) == {"a": len(chain), "b": 3, "c": 0}
+    assert copy.match(chain, ["a"], now=time.monotonic() + 60) == {"a": 0}
+
+
+async def test_decisions_on_one_replica_are_matched_on_the_others(redis_server):
+    stores = [RedisStore(RedisStoreSettings(url=redis_server.url, prefix="ps", op_timeout=0.5,
+                                            read_block=0.1)) for _ in range(3)]
+    indexes = [SharedPrefixIndex(store) for store in stores]
+    for store in stores:
+        await store.start()
+    try:
+        chain = PrefixHasher().hashes("system prompt " * 200, "m", salt="tenant-a")
+        indexes[0].record("pool-1", chain)
+        deadline = time.monotonic() + 5
+        while indexes[2].match(chain, ["pool-1"])["pool-1"] < len(chain):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        assert indexes[1].match(chain, ["pool-0", "pool-1"]) == {"pool-0": 0,
+                                                                "pool-1": len(chain)}
+    finally:
+        for store in stores:
+            await store.stop()
