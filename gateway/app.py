@@ -8,24 +8,35 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 
 import orjson
 
 from gateway.asgi import JSON, Receive, Scope, Send, send_bytes, send_error
+from gateway.chain.admin import AdminRoutes
+from gateway.chain.admission import AdmissionController, AdmissionStage
+from gateway.chain.auth import AuthStage
+from gateway.chain.classify import Classifier, ClassifyStage
 from gateway.chain.pipeline import RequestChain
+from gateway.chain.quotas import InMemoryQuotaStore
+from gateway.chain.tenants import TenantDirectory
 from gateway.config import Config
 from gateway.errors import KvgateError, MethodNotAllowed, NotFound
 from gateway.ingress import INFERENCE_ROUTES, ClientGone, parse_payload, read_body
 from gateway.observability.access_log import AccessLog
 from gateway.observability.metrics import GatewayMetrics
+from gateway.observability.resilience import BreakerStateCollector, ResilienceMetrics
 from gateway.routing.endpoints import Fleet, build_pool
 from gateway.routing.health import HealthMonitor
-from gateway.routing.picker import PickStage, RoundRobinPicker
+from gateway.routing.metrics import RoutingCollector
+from gateway.routing.picker import PickStage, RoutingServices, build_router
+from gateway.routing.telemetry import TelemetryScraper
 from gateway.types import RequestContext
 from gateway.upstream.client import build_upstream_client
 from gateway.upstream.headers import request_id_from
 from gateway.upstream.relay import Forwarder
+from gateway.upstream.resilience import Resilience
 
 log = logging.getLogger("kvgate")
 
@@ -37,15 +48,35 @@ _PROMETHEUS = b"text/plain; version=0.0.4; charset=utf-8"
 class GatewayApp:
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.fleet = Fleet(build_pool(p) for p in config.pools)
+        self.fleet = Fleet(build_pool(p, config.routing) for p in config.pools)
+        self.routing = RoutingServices.from_config(config.routing)
+        self.picker = build_router(config, self.fleet, self.routing)
         self.metrics = GatewayMetrics(self.fleet)
+        self.metrics.registry.register(RoutingCollector(self.fleet, self.routing))
         self.access_log = AccessLog(enabled=config.server.access_log)
+        self.tenants = TenantDirectory(config.auth, config.tiers)
+        self.classifier = Classifier(config.classification)
+        self.admission = AdmissionController(self.fleet, InMemoryQuotaStore(), self.classifier,
+                                             config.admission, self.metrics)
+        self.admin = AdminRoutes(self.tenants, self.classifier, self.admission)
         self.client = build_upstream_client(config.upstream, config.timeouts)
-        self.health = HealthMonitor(self.fleet, self.client, config.health)
+        # Breakers on every endpoint, retry budgets and throttles per pool (docs/resilience.md).
+        self.resilience = Resilience(config, self.fleet, ResilienceMetrics(self.metrics.registry))
+        self.metrics.registry.register(BreakerStateCollector(self.resilience))
+        self.health = HealthMonitor(self.fleet, self.client, config.health,
+                                    on_recovered=self.resilience.health_recovered)
+        self.telemetry = TelemetryScraper(self.fleet, self.client, config.routing.scrape_interval,
+                                          config.routing.scrape_timeout, self.routing.size_index)
         self.chain = RequestChain(
-            stages=[PickStage(RoundRobinPicker(self.fleet))],
+            stages=[
+                AuthStage(self.tenants),            # 401 / 403; tenant, cache salt
+                ClassifyStage(self.classifier),     # Intent: class, deadline, priority
+                AdmissionStage(self.admission),     # 429 quotas; waits or 503 when saturated
+                PickStage(self.picker),
+            ],
             forward=Forwarder(self.client, config.timeouts,
-                              config.upstream.max_error_body_bytes),
+                              config.upstream.max_error_body_bytes,
+                              self.resilience, picker=self.picker),
             settle=self._settle,
         )
 
@@ -54,20 +85,29 @@ class GatewayApp:
             route = INFERENCE_ROUTES.get(scope["path"])
             if route is not None:
                 await self._inference(route, scope, receive, send)
+            elif scope["path"].startswith("/admin/"):
+                await self.admin(scope, receive, send)
             else:
                 await self._operational(scope, send)
         elif scope["type"] == "lifespan":
             await self._lifespan(receive, send)
 
     async def startup(self) -> None:
+        if self.config.auth is None:
+            log.warning("NO AUTHENTICATION: the config has no 'auth:' section, so every client "
+                        "is served as the anonymous tenant. Add tenants with API keys, or write "
+                        "'auth: none' to make an open gateway explicit.")
         try:
             async with asyncio.timeout(_STARTUP_PROBE_SECONDS):
-                await self.health.check_once()
+                await asyncio.gather(self.health.check_once(), self.telemetry.scrape_once())
         except TimeoutError:
             log.warning("initial health probe did not finish in %.0f s", _STARTUP_PROBE_SECONDS)
         self.health.start()
+        self.telemetry.start()
 
     async def shutdown(self) -> None:
+        await self.admission.stop()
+        await self.telemetry.stop()
         await self.health.stop()
         await self.client.aclose()
 
@@ -138,3 +178,14 @@ class GatewayApp:
                 await send_bytes(send, 200, b'{"status":"ready"}', JSON)
         else:
             await send_bytes(send, 200, self.metrics.render(), _PROMETHEUS)
+
+
+CONFIG_ENV = "KVGATE_CONFIG"
+
+
+def app_from_env() -> GatewayApp:
+    """Factory for `kvgate serve --workers N`: each worker process loads the config file named
+    by $KVGATE_CONFIG and is a full replica with its own local state."""
+    from gateway.config import load_config
+
+    return GatewayApp(load_config(os.environ[CONFIG_ENV]))

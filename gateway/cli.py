@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 import sys
 from pathlib import Path
@@ -33,7 +34,7 @@ def _setup_logging(level: str) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from gateway.app import GatewayApp
+    from gateway.app import CONFIG_ENV, GatewayApp
 
     try:
         config = load_config(args.config)
@@ -43,6 +44,20 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     host = args.host or config.server.host
     port = args.port if args.port is not None else config.server.port
     _setup_logging(args.log_level)
+    if args.workers > 1:
+        if config.state.backend == "memory":
+            print(f"kvgate serve: --workers {args.workers} needs shared state: with "
+                  "'state: {backend: memory}' every worker would keep its own prefix index, "
+                  "load counts and quotas, silently splitting them. Configure "
+                  "'state: {backend: redis, url: redis://...}' (docs/redis.md) or run one "
+                  "worker.", file=sys.stderr)
+            return 1
+        os.environ[CONFIG_ENV] = str(Path(args.config).resolve())
+        uvicorn.run("gateway.app:app_from_env", factory=True, workers=args.workers,
+                    host=host, port=port, loop="uvloop", http="httptools", lifespan="on",
+                    access_log=False, log_level=args.log_level, server_header=False,
+                    timeout_graceful_shutdown=5)
+        return 0
     uvicorn.Server(_uvicorn_config(GatewayApp(config), host, port, args.log_level)).run()
     return 0
 
@@ -60,6 +75,22 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_keys_new(args: argparse.Namespace) -> int:
+    from gateway.chain.keys import new_key, new_key_id
+
+    try:
+        key, digest = new_key(args.id or new_key_id(args.tenant or "admin"))
+    except ValueError as exc:
+        print(f"kvgate keys new: {exc}", file=sys.stderr)
+        return 1
+    where = "auth.admin_keys" if args.admin else f"the keys of tenant '{args.tenant}'"
+    key_id = key.partition(".")[0]
+    print(f"API key (shown once; kvgate stores only its hash):\n\n    {key}\n\n"
+          f"Add this line to {where} in the config:\n\n"
+          f'    - {{id: {key_id}, sha256: "{digest}"}}')
+    return 0
+
+
 def demo_config(urls: list[str], port: int) -> Config:
     """The embedded demo: one vLLM-flavoured pool over the simulated engines, memory state."""
     return parse_config({
@@ -67,6 +98,7 @@ def demo_config(urls: list[str], port: int) -> Config:
         "pools": [{"name": "demo", "engine": "vllm", "models": [DEMO_MODEL],
                    "endpoints": [{"url": u} for u in urls]}],
         "state": {"backend": "memory"},
+        "auth": "none",
     }, source="<demo>")
 
 
@@ -134,6 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", required=True, type=Path, help="YAML config file")
     serve.add_argument("--host", help="listen address (default: server.host from config)")
     serve.add_argument("--port", type=int, help="listen port (default: server.port from config)")
+    serve.add_argument("--workers", type=int, default=1,
+                       help="worker processes, each a full replica (needs state.backend redis)")
     serve.add_argument("--log-level", default="info",
                        choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=_cmd_serve)
@@ -145,6 +179,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--log-level", default="info",
                       choices=["debug", "info", "warning", "error"])
     demo.set_defaults(func=_cmd_demo)
+
+    keys = commands.add_parser("keys", help="manage API keys")
+    key_commands = keys.add_subparsers(dest="keys_command", required=True, metavar="COMMAND")
+    new = key_commands.add_parser(
+        "new", help="print a fresh API key once, and the config line holding its hash")
+    owner = new.add_mutually_exclusive_group(required=True)
+    owner.add_argument("--tenant", help="tenant the key belongs to")
+    owner.add_argument("--admin", action="store_true", help="an admin key (admin routes)")
+    new.add_argument("--id", help="key id (default: tenant name and 6 random hex digits)")
+    new.set_defaults(func=_cmd_keys_new)
 
     check = commands.add_parser("check-config", help="validate a config file and list problems")
     check.add_argument("file", type=Path)

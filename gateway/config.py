@@ -15,10 +15,19 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+
+from gateway.chain.settings import (
+    AdmissionConfig,
+    AuthConfig,
+    ClassificationConfig,
+    TierConfig,
+    cross_check_chain,
+)
+from gateway.routing.settings import BUILTIN_POLICIES, RoutingConfig
 
 EngineKind = Literal["vllm", "sglang", "openai"]
-POLICY_NAMES = frozenset({"round_robin"})
+POLICY_NAMES = BUILTIN_POLICIES
 
 
 class _Strict(BaseModel):
@@ -32,13 +41,24 @@ class ServerConfig(_Strict):
     access_log: bool = True
 
 
+class TierTimeouts(_Strict):
+    """Overrides of `timeouts` for one tenant tier; unset keys keep the global value."""
+
+    connect: float | None = Field(None, gt=0)
+    first_token: float | None = Field(None, gt=0)
+    stall: float | None = Field(None, gt=0)
+    total: float | None = Field(None, gt=0)
+
+
 class TimeoutsConfig(_Strict):
-    """Seconds. `first_token` applies to streams only: a non-stream answer is one response."""
+    """Seconds. `first_token` applies to streams only: a non-stream answer is one response.
+    `tiers` maps a tier name to overrides (see docs/resilience.md)."""
 
     connect: float = Field(5.0, gt=0)
     first_token: float = Field(60.0, gt=0)
     stall: float = Field(60.0, gt=0)
     total: float = Field(600.0, gt=0)
+    tiers: dict[str, TierTimeouts] = Field(default_factory=dict)
 
 
 class UpstreamConfig(_Strict):
@@ -72,12 +92,88 @@ class PoolConfig(_Strict):
     name: str = Field(min_length=1)
     engine: EngineKind = "vllm"
     models: list[str] = Field(default_factory=list)
-    policy: str = "round_robin"
+    # A built-in policy name or the path of a policy YAML file (relative: to the config file).
+    policy: str = "kvgate"
     endpoints: list[EndpointConfig] = Field(min_length=1)
+    # Opt-in: a stream broken mid-way continues on another endpoint (docs/resilience.md).
+    resume: bool = False
+
+
+class RetryConfig(_Strict):
+    """Attempts per request (first one included) and full-jitter back-off, in seconds."""
+
+    max_attempts: int = Field(3, ge=1, le=10)
+    backoff_base: float = Field(0.025, ge=0)
+    backoff_cap: float = Field(0.25, ge=0)
+
+
+class RetryBudgetConfig(_Strict):
+    """Per pool. Concurrency form (Envoy): retries in flight ≤ max(min_concurrency,
+    percent_of_active % of active requests). Rate form (Finagle): retries over `window` s ≤
+    percent_of_requests % of requests + min_per_second x window. `null` disables a form."""
+
+    percent_of_active: float | None = Field(20.0, ge=0)
+    min_concurrency: int = Field(3, ge=0)
+    percent_of_requests: float | None = Field(20.0, ge=0)
+    min_per_second: float = Field(10.0, ge=0)
+    window: float = Field(10.0, gt=0)
+
+
+class BreakerConfig(_Strict):
+    """Per endpoint circuit breaker / outlier ejection; durations in seconds."""
+
+    consecutive_failures: int = Field(5, ge=1)
+    failure_rate: float = Field(0.5, gt=0, le=1)
+    failure_rate_min_requests: int = Field(20, ge=1)
+    window: float = Field(10.0, gt=0)
+    base_ejection: float = Field(30.0, gt=0)
+    max_ejection: float = Field(300.0, gt=0)
+    max_ejected_fraction: float = Field(0.5, ge=0, le=1)
+    half_open_probes: int = Field(2, ge=1)
+    probe_timeout: float = Field(10.0, gt=0)
+    max_hold: float = Field(30.0, ge=0)
+
+
+class ThrottleConfig(_Strict):
+    """Client-side adaptive throttling per pool (Google SRE): p = max(0, (requests - k x
+    accepts) / (requests + 1)) over `window` s, once `min_requests` were attempted."""
+
+    enabled: bool = True
+    k: float = Field(2.0, ge=1)
+    window: float = Field(30.0, gt=0)
+    min_requests: int = Field(20, ge=0)
+    retry_after: float = Field(1.0, gt=0)
+
+
+class ResilienceConfig(_Strict):
+    """Retries, retry budget, breakers, throttling, resume (docs/resilience.md)."""
+
+    retries: RetryConfig = RetryConfig()
+    retry_budget: RetryBudgetConfig = RetryBudgetConfig()
+    breaker: BreakerConfig = BreakerConfig()
+    throttle: ThrottleConfig = ThrottleConfig()
+    max_resumes: int = Field(1, ge=1, le=3)
 
 
 class StateConfig(_Strict):
-    backend: Literal["memory"] = "memory"
+    """Where replicas share state. `memory`: this process only (the embedded default).
+    `redis`: prefix-index deltas, load heartbeats and quotas shared through Redis at `url`
+    (redis://, rediss:// or unix://); see docs/redis.md."""
+
+    backend: Literal["memory", "redis"] = "memory"
+    url: str | None = None
+    key_prefix: str = Field("kvgate", min_length=1)
+    op_timeout: float = Field(0.1, gt=0)
+    heartbeat_interval: float = Field(0.5, gt=0)
+    snapshot_interval: float = Field(10.0, gt=0)
+    stream_maxlen: int = Field(100_000, gt=0)
+
+    @field_validator("url")
+    @classmethod
+    def _redis_url(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(r"(rediss?|unix)://", value):
+            raise ValueError("must be a redis://, rediss:// or unix:// URL")
+        return value
 
 
 class Config(_Strict):
@@ -86,7 +182,21 @@ class Config(_Strict):
     upstream: UpstreamConfig = UpstreamConfig()
     health: HealthConfig = HealthConfig()
     pools: list[PoolConfig] = Field(min_length=1)
+    routing: RoutingConfig = RoutingConfig()
     state: StateConfig = StateConfig()
+    resilience: ResilienceConfig = ResilienceConfig()
+    # Absent: open gateway with a loud startup warning (the minimal config must keep working);
+    # `auth: none` says so explicitly; a mapping turns on API keys and tenants.
+    auth: AuthConfig | None = None
+    tiers: dict[str, TierConfig] = Field(default_factory=dict)
+    classification: ClassificationConfig = ClassificationConfig()
+    admission: AdmissionConfig = AdmissionConfig()
+    # Policy files named by pools, loaded and checked with the config (pool name → policy).
+    _policies: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    def routing_policy(self, pool: str) -> Any:
+        """The loaded `RoutingPolicy` of a pool whose `policy` is a file, else None."""
+        return self._policies.get(pool)
 
 
 class ConfigError(Exception):
@@ -159,8 +269,23 @@ def _describe(error: Any) -> str:
     return f"{_key_path(loc)}: {message}"
 
 
-def _cross_check(config: Config) -> list[str]:
+def _load_policy_file(config: Config, index: int, pool: PoolConfig, source: str) -> list[str]:
+    from gateway.routing.policy import PolicyError, load_policy  # routing imports this module
+
+    path = Path(pool.policy)
+    if not path.is_absolute() and source != "<config>":
+        path = Path(source).parent / path
+    try:
+        config._policies[pool.name] = load_policy(path)
+    except PolicyError as exc:
+        return [f"pools[{index}].policy: {problem}" for problem in exc.problems]
+    return []
+
+
+def _cross_check(config: Config, source: str = "<config>") -> list[str]:
     problems: list[str] = []
+    if config.state.backend == "redis" and not config.state.url:
+        problems.append("state.url: required when state.backend is 'redis'")
     seen_pools: set[str] = set()
     seen_urls: dict[str, str] = {}
     for i, pool in enumerate(config.pools):
@@ -168,16 +293,25 @@ def _cross_check(config: Config) -> list[str]:
             problems.append(f"pools[{i}].name: duplicate pool name '{pool.name}'")
         seen_pools.add(pool.name)
         if pool.policy not in POLICY_NAMES:
-            problems.append(
-                f"pools[{i}].policy: unknown policy '{pool.policy}' "
-                f"(one of: {', '.join(sorted(POLICY_NAMES))})"
-            )
+            if pool.policy.endswith((".yaml", ".yml")):
+                problems.extend(_load_policy_file(config, i, pool, source))
+            else:
+                problems.append(
+                    f"pools[{i}].policy: unknown policy '{pool.policy}' "
+                    f"(one of: {', '.join(sorted(POLICY_NAMES))}, or a .yaml policy file)"
+                )
         for j, endpoint in enumerate(pool.endpoints):
             where = f"pools[{i}].endpoints[{j}].url"
             if endpoint.url in seen_urls:
                 first = seen_urls[endpoint.url]
                 problems.append(f"{where}: duplicate endpoint, already in {first}")
             seen_urls[endpoint.url] = where
+    retries, breaker = config.resilience.retries, config.resilience.breaker
+    if retries.backoff_cap < retries.backoff_base:
+        problems.append("resilience.retries.backoff_cap: must be at least backoff_base")
+    if breaker.max_ejection < breaker.base_ejection:
+        problems.append("resilience.breaker.max_ejection: must be at least base_ejection")
+    problems.extend(cross_check_chain(config.auth, config.tiers))
     return problems
 
 
@@ -194,7 +328,7 @@ def parse_config(data: Any, source: str = "<config>") -> Config:
     except ValidationError as exc:
         problems.extend(_describe(e) for e in exc.errors())
         raise ConfigError(source, problems) from None
-    problems.extend(_cross_check(config))
+    problems.extend(_cross_check(config, source))
     if problems:
         raise ConfigError(source, problems)
     return config

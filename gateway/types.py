@@ -8,7 +8,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from gateway.chain.intent import Intent
+    from gateway.chain.tenants import Tenant
     from gateway.routing.endpoints import Endpoint
+    from gateway.routing.match import PrefixMatch
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -38,6 +41,30 @@ class RequestContext:
     client_gone: bool = False
     first_token_at: float | None = None
     usage: dict[str, Any] | None = None
+    # Request chain (gateway/chain): who asks, what kind of work it is, and by when.
+    tenant: Tenant | None = None
+    key_id: str | None = None
+    intent: Intent | None = None
+    tier: str = ""
+    # Lower runs first: latency-class rank x 100 + tier priority (see docs/tenants.md).
+    priority: int = 0
+    # Absolute time.perf_counter() by which the whole request must be finished.
+    deadline: float | None = None
+    # Salt of the tenant's prefix-cache namespace (also set as `cache_salt` in the body).
+    cache_salt: str | None = None
+    # Jurisdictions the request may be served in (endpoint label `jurisdiction`); None: any.
+    allowed_jurisdictions: frozenset[str] | None = None
+    # SSE data events relayed to the client (streams), for usage estimates without `usage`.
+    relayed_events: int = 0
+    # Routing: prefix match data computed once by the picker (retries reuse it), and headers
+    # the gateway adds to the response next to x-kvgate-endpoint (e.g. the route explanation).
+    prefix: PrefixMatch | None = None
+    response_headers: Headers = field(default_factory=list)
+    # Resilience (gateway/upstream): upstream attempts dispatched (retries and resumes
+    # included), streams resumed on another endpoint, and the prompt tokens re-read to do so.
+    attempts: int = 0
+    resumes: int = 0
+    resume_overhead_tokens: int = 0
     _finishers: list[Callable[[RequestContext], None]] = field(default_factory=list)
 
     def on_finish(self, callback: Callable[[RequestContext], None]) -> None:

@@ -102,7 +102,8 @@ def test_round_robin_over_endpoints_serving_the_model(start_gateway):
 
     engines = [ScriptedUpstream(), ScriptedUpstream()]
     with ServerThread(engines[0]) as a, ServerThread(engines[1]) as b:
-        _, server = start_gateway(gateway_config([a.url, b.url]))
+        _, server = start_gateway(gateway_config([a.url, b.url],
+                                                 pool={"policy": "round_robin"}))
         client = _client(server)
         for _ in range(6):
             client.chat.completions.create(model="m1", messages=[{"role": "user", "content": "x"}])

@@ -69,6 +69,9 @@ class ScriptedUpstream:
         if path == "/health":
             await _reply(send, 200 if self.healthy else 503, b"")
             return
+        if path == "/metrics":  # an engine without Prometheus metrics
+            await _reply(send, 404, b"")
+            return
         if path == "/v1/models":
             data = [{"id": m, "object": "model"} for m in self.models]
             await _reply(send, 200, orjson.dumps({"object": "list", "data": data}))

@@ -38,6 +38,20 @@ class GatewayMetrics:
         self.healthy = Gauge(
             "kvgate_endpoint_healthy", "1 when the endpoint passes its health check.",
             ["endpoint"], registry=self.registry)
+        # Admission (gateway/chain/admission.py); tenant labels are config-bounded names.
+        self.queue_length = Gauge(
+            "kvgate_admission_queue_length", "Requests waiting for capacity, by latency class.",
+            ["class"], registry=self.registry)
+        self.queue_wait = Histogram(
+            "kvgate_admission_wait_seconds",
+            "Time spent waiting for capacity, by latency class and how the wait ended.",
+            ["class", "result"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.shed = Counter(
+            "kvgate_admission_shed", "Requests refused for overload (503), by class and reason.",
+            ["class", "reason"], registry=self.registry)
+        self.quota_rejections = Counter(
+            "kvgate_quota_rejections", "Requests refused by a tenant limit (429), by limit.",
+            ["tenant", "limit"], registry=self.registry)
 
     def observe(self, ctx: RequestContext) -> None:
         now = time.perf_counter()

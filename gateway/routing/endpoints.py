@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from gateway.config import EngineKind, PoolConfig
+from gateway.routing.settings import RoutingConfig, StalePolicy
 
 if TYPE_CHECKING:
+    from gateway.routing.telemetry import EngineTelemetry
     from gateway.types import RequestContext
 
 
@@ -28,13 +31,37 @@ class _NoBreaker:
 
 NO_BREAKER: BreakerView = _NoBreaker()
 
+# Prompt tokens assumed for requests the engine reports but the gateway did not send.
+_DEFAULT_PROMPT_TOKENS = 512.0
+_PROMPT_EMA = 0.05
+
+
+@dataclass(slots=True, frozen=True)
+class EndpointLimits:
+    """When an endpoint counts as saturated, and how old telemetry may be before it is stale
+    (see gateway/routing/telemetry.py for the stale policy)."""
+
+    max_waiting: float = 5
+    max_kv_usage: float = 0.9
+    stale_after: float = 3.0
+    stale_policy: StalePolicy = "local"
+
+    @classmethod
+    def from_config(cls, routing: RoutingConfig) -> EndpointLimits:
+        return cls(routing.saturation.max_waiting, routing.saturation.max_kv_usage,
+                   routing.stale_after, routing.stale_policy)
+
 
 @dataclass(slots=True, eq=False)
 class Endpoint:
     """One engine's HTTP address and the gateway's live view of it.
 
-    `inflight` is owned by the gateway: it goes up at dispatch and down exactly once when the
-    request ends. Health checks change `healthy` and never touch `inflight`.
+    Load accounting is owned by the gateway: `begin_attempt` at dispatch, `first_token` when
+    the first event arrives, `end_attempt` exactly once when the attempt ends on any path.
+    Per attempt it tracks requests in flight, prompt tokens still to prefill (requests waiting
+    for their first token, counted with the prompt tokens not already cached there) and active
+    decode sequences. Scraped telemetry (`telemetry`, when fresh) corrects the view upwards for
+    work the gateway did not send. Health checks change `healthy` and never touch any of it.
     """
 
     name: str
@@ -49,6 +76,14 @@ class Endpoint:
     healthy: bool = True
     inflight: int = 0
     breaker: BreakerView = NO_BREAKER
+    limits: EndpointLimits = EndpointLimits()
+    telemetry: EngineTelemetry | None = None
+    prefill_requests: int = 0
+    prefill_tokens: int = 0
+    decoding: int = 0
+    mean_prompt_tokens: float = _DEFAULT_PROMPT_TOKENS
+    # id(ctx) → prompt tokens still to prefill, or -1 once the attempt decodes.
+    _attempts: dict[int, int] = field(default_factory=dict)
 
     @property
     def models(self) -> frozenset[str]:
@@ -56,19 +91,106 @@ class Endpoint:
 
     def begin_attempt(self, ctx: RequestContext) -> None:
         """Called by the forwarder when an attempt is dispatched here."""
+        if id(ctx) in self._attempts:
+            return
+        prefix = ctx.prefix
+        tokens = prefix.uncached_tokens(self.name) if prefix is not None else 0
+        if prefix is not None:
+            self.mean_prompt_tokens += _PROMPT_EMA * (prefix.prompt_tokens
+                                                      - self.mean_prompt_tokens)
+        self._attempts[id(ctx)] = tokens
         self.inflight += 1
+        self.prefill_requests += 1
+        self.prefill_tokens += tokens
+
+    def first_token(self, ctx: RequestContext) -> None:
+        """The attempt's first event arrived: its prefill is done, it now decodes."""
+        tokens = self._attempts.get(id(ctx))
+        if tokens is None or tokens < 0:
+            return
+        self._attempts[id(ctx)] = -1
+        self.prefill_requests -= 1
+        self.prefill_tokens -= tokens
+        self.decoding += 1
 
     def end_attempt(self, ctx: RequestContext) -> None:
         """Called exactly once per `begin_attempt`, on every terminal path of the attempt."""
+        tokens = self._attempts.pop(id(ctx), None)
+        if tokens is None:
+            return
         self.inflight -= 1
+        if tokens < 0:
+            self.decoding -= 1
+        else:
+            self.prefill_requests -= 1
+            self.prefill_tokens -= tokens
+
+    @property
+    def scraped(self) -> bool:
+        """Whether this endpoint's engine kind exposes telemetry the gateway scrapes."""
+        return self.engine != "openai"
+
+    @property
+    def fresh_telemetry(self) -> EngineTelemetry | None:
+        """The last scrape if it is recent enough to route on, else None."""
+        telemetry = self.telemetry
+        if telemetry is None or time.monotonic() - telemetry.scraped_at > self.limits.stale_after:
+            return None
+        return telemetry
+
+    @property
+    def stale(self) -> bool:
+        return self.scraped and self.fresh_telemetry is None
+
+    @property
+    def queued_requests(self) -> float:
+        """Requests waiting for their first token: the gateway's count or the engine's."""
+        telemetry = self.fresh_telemetry
+        if telemetry is None:
+            return float(self.prefill_requests)
+        return max(float(self.prefill_requests), telemetry.waiting)
+
+    @property
+    def queued_tokens(self) -> float:
+        """Prompt tokens still to prefill, plus an estimate for queued work the engine reports
+        beyond what the gateway sent (other clients, other gateway replicas)."""
+        telemetry = self.fresh_telemetry
+        extra = 0.0
+        if telemetry is not None and telemetry.waiting > self.prefill_requests:
+            extra = (telemetry.waiting - self.prefill_requests) * self.mean_prompt_tokens
+        return self.prefill_tokens + extra
+
+    @property
+    def active_sequences(self) -> float:
+        """Sequences decoding: the gateway's count or the engine's running count."""
+        telemetry = self.fresh_telemetry
+        if telemetry is None:
+            return float(self.decoding)
+        return max(float(self.decoding), telemetry.running)
+
+    @property
+    def kv_usage(self) -> float:
+        telemetry = self.fresh_telemetry
+        return telemetry.kv_usage if telemetry is not None else 0.0
+
+    def saturated_by(self, max_waiting: float, max_kv_usage: float) -> bool:
+        """Saturated under the given thresholds (pure; used by filters with their own)."""
+        if self.max_inflight is not None and self.inflight >= self.max_inflight:
+            return True
+        telemetry = self.fresh_telemetry
+        return telemetry is not None and (telemetry.waiting > max_waiting
+                                          or telemetry.kv_usage > max_kv_usage)
 
     @property
     def saturated(self) -> bool:
-        """True when sending more work here would only queue it on the engine."""
-        return self.max_inflight is not None and self.inflight >= self.max_inflight
+        """True when sending more work here would only queue it on the engine: the in-flight
+        cap is reached, or fresh telemetry shows a queue or KV use above the limits."""
+        return self.saturated_by(self.limits.max_waiting, self.limits.max_kv_usage)
 
     @property
     def routable(self) -> bool:
+        if self.limits.stale_policy == "exclude" and self.stale:
+            return False
         return self.healthy and self.breaker.admits()
 
     @property
@@ -88,7 +210,8 @@ class Pool:
         return any(e.healthy for e in self.endpoints)
 
 
-def build_pool(config: PoolConfig) -> Pool:
+def build_pool(config: PoolConfig, routing: RoutingConfig | None = None) -> Pool:
+    limits = EndpointLimits.from_config(routing or RoutingConfig())
     endpoints = [
         Endpoint(
             name=f"{config.name}-{i}",
@@ -99,6 +222,7 @@ def build_pool(config: PoolConfig) -> Pool:
             auth_header=f"Bearer {ep.api_key}".encode() if ep.api_key else None,
             labels=dict(ep.labels),
             max_inflight=ep.max_inflight,
+            limits=limits,
         )
         for i, ep in enumerate(config.endpoints)
     ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import httpx
 import orjson
@@ -19,8 +20,11 @@ class HealthMonitor:
     `discovery_interval`; updates `Endpoint.healthy` / `discovered_models` and refreshes the
     fleet's candidate map when anything changed. Never touches in-flight accounting."""
 
-    def __init__(self, fleet: Fleet, client: httpx.AsyncClient, config: HealthConfig) -> None:
+    def __init__(self, fleet: Fleet, client: httpx.AsyncClient, config: HealthConfig,
+                 on_recovered: Callable[[Endpoint], None] | None = None) -> None:
         self.fleet = fleet
+        # Called when an endpoint passes its check after failing it (ends a breaker ejection).
+        self.on_recovered = on_recovered
         self.client = client
         self.config = config
         self._task: asyncio.Task[None] | None = None
@@ -40,6 +44,8 @@ class HealthMonitor:
             log.warning("endpoint %s is now %s", endpoint.name,
                         "healthy" if healthy else "unhealthy")
             endpoint.healthy = healthy
+            if healthy and self.on_recovered is not None:
+                self.on_recovered(endpoint)
             changed = True
         if healthy and discover:
             body = await self._get_ok(endpoint, "/v1/models")

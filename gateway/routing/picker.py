@@ -1,13 +1,36 @@
-"""Choosing the endpoint for a request: the `pick` stage of the chain."""
+"""Choosing the endpoint for a request: the `pick` stage of the chain.
+
+    PoolRouter ── model → home pool ──▶ PolicyPicker (one per pool, its RoutingPolicy)
+        candidates (routable, serving the model, in the profile's pools, not excluded)
+        → prefix match computed once per request (producer; scorers only read it)
+        → filters → saturation (→ fallback pool / model, or queue / reject)
+        → scorers, clamped and weighted here → picker → record the decision in the index
+"""
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import math
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
+import orjson
+
+from gateway.config import Config
 from gateway.errors import NotFound, Overloaded
+from gateway.routing.affinity import SessionAffinity, session_key
 from gateway.routing.endpoints import Endpoint, Fleet
+from gateway.routing.filters import NotSaturated
+from gateway.routing.match import PrefixMatch
+from gateway.routing.policy import RoutingPolicy, RoutingProfile, builtin_policy
+from gateway.routing.prefix_index import PrefixHasher, PrefixIndex
+from gateway.routing.prompt_text import prompt_text
+from gateway.routing.settings import ExplainMode, RoutingConfig
+from gateway.routing.telemetry import EngineTelemetry
 from gateway.types import RequestContext
+
+EXPLAIN_REQUEST_HEADER = b"x-kvgate-explain"
+EXPLAIN_RESPONSE_HEADER = b"x-kvgate-route-explain"
 
 
 class EndpointPicker(Protocol):
@@ -18,10 +41,12 @@ class EndpointPicker(Protocol):
         ...
 
 
-def routable_candidates(fleet: Fleet, model: str,
-                        exclude: Collection[Endpoint] = ()) -> list[Endpoint]:
-    """Healthy endpoints serving `model` whose breaker admits traffic, minus `exclude`."""
-    candidates = [e for e in fleet.candidates(model) if e.breaker.admits() and e not in exclude]
+def routable_candidates(fleet: Fleet, model: str, exclude: Collection[Endpoint] = (),
+                        pools: Collection[str] | None = None) -> list[Endpoint]:
+    """Healthy endpoints serving `model` whose breaker admits traffic (and, with the `exclude`
+    stale policy, whose telemetry is fresh), in `pools` if given, minus `exclude`."""
+    candidates = [e for e in fleet.candidates(model)
+                  if e.routable and e not in exclude and (pools is None or e.pool in pools)]
     if not candidates:
         if not fleet.serves(model):
             raise NotFound(f"The model '{model}' does not exist or is not served here",
@@ -31,18 +56,186 @@ def routable_candidates(fleet: Fleet, model: str,
     return candidates
 
 
-class RoundRobinPicker:
-    """Cycles through the routable endpoints that serve the requested model."""
+@dataclass(slots=True)
+class RoutingServices:
+    """State shared by every pool's picker in one process: the prefix index, the hasher, the
+    session table, and the explain setting."""
 
-    def __init__(self, fleet: Fleet) -> None:
+    index: PrefixIndex
+    hasher: PrefixHasher
+    affinity: SessionAffinity
+    explain: ExplainMode
+    chars_per_token: float
+
+    @classmethod
+    def from_config(cls, routing: RoutingConfig) -> RoutingServices:
+        prefix = routing.prefix
+        return cls(
+            index=PrefixIndex(prefix.default_capacity, prefix.ttl, prefix.max_capacity),
+            hasher=PrefixHasher(prefix.block_chars, prefix.max_blocks),
+            affinity=SessionAffinity(routing.affinity_ttl, routing.affinity_max_sessions),
+            explain=routing.explain,
+            chars_per_token=prefix.chars_per_token,
+        )
+
+    def size_index(self, endpoint: Endpoint, telemetry: EngineTelemetry) -> None:
+        """Bound an endpoint's index entries by its engine's KV cache, in blocks of text."""
+        if telemetry.kv_tokens is not None:
+            blocks = telemetry.kv_tokens * self.chars_per_token / self.hasher.block_chars
+            self.index.set_capacity(endpoint.name, max(1, int(blocks)))
+
+    def prefix_match(self, ctx: RequestContext) -> PrefixMatch:
+        """Hash the request's prompt once and look up its session (the producer step)."""
+        text = prompt_text(ctx.payload)
+        session = session_key(ctx)
+        return PrefixMatch(
+            hashes=self.hasher.hashes(text, ctx.model, ctx.cache_salt),
+            prompt_tokens=math.ceil(len(text) / self.chars_per_token),
+            tokens_per_block=self.hasher.block_chars / self.chars_per_token,
+            session=session,
+            affinity=self.affinity.get(session) if session is not None else None,
+        )
+
+    def explain_allowed(self, ctx: RequestContext) -> bool:
+        """`always`, or never; `admin` waits for admin keys on inference routes (issue 5)
+        and so explains nothing yet."""
+        if self.explain != "always":
+            return False
+        return any(k == EXPLAIN_REQUEST_HEADER and v.strip() == b"1"
+                   for k, v in ctx.client_headers)
+
+
+def weighted_scores(ctx: RequestContext, candidates: Sequence[Endpoint],
+                    scorers: Sequence[tuple[object, float]]
+                    ) -> tuple[list[float], list[list[float]]]:
+    """Each scorer's values clamped to [0, 1], and their weighted mean per candidate."""
+    total_weight = sum(w for _, w in scorers)
+    columns: list[list[float]] = []
+    totals = [0.0] * len(candidates)
+    for scorer, weight in scorers:
+        values = [min(1.0, max(0.0, v)) for v in scorer(ctx, candidates)]  # type: ignore[operator]
+        columns.append(values)
+        for i, v in enumerate(values):
+            totals[i] += weight * v
+    return [t / total_weight for t in totals], columns
+
+
+class PolicyPicker:
+    """Routes requests whose home is `pool` by its `RoutingPolicy`."""
+
+    def __init__(self, fleet: Fleet, pool: str, policy: RoutingPolicy,
+                 services: RoutingServices) -> None:
         self.fleet = fleet
-        self._turn: dict[str, int] = {}
+        self.pool = pool
+        self.policy = policy
+        self.services = services
 
     def choose(self, ctx: RequestContext, exclude: Collection[Endpoint] = ()) -> Endpoint:
-        candidates = routable_candidates(self.fleet, ctx.model, exclude)
-        turn = self._turn.get(ctx.model, 0)
-        self._turn[ctx.model] = turn + 1
-        return candidates[turn % len(candidates)]
+        profile, rule = self.policy.profile_for(ctx)
+        return self._choose(ctx, exclude, profile, rule, profile.pools or (self.pool,), True)
+
+    def _choose(self, ctx: RequestContext, exclude: Collection[Endpoint],
+                profile: RoutingProfile, rule: str, pools: Collection[str] | None,
+                may_fall_back: bool) -> Endpoint:
+        candidates = routable_candidates(self.fleet, ctx.model, exclude, pools)
+        if profile.uses_prefix:
+            self._prepare(ctx, candidates)
+        saturation = [f for f in profile.filters if isinstance(f, NotSaturated)]
+        for keep in profile.filters:
+            if not isinstance(keep, NotSaturated):
+                candidates = keep(ctx, candidates)
+        if not candidates:
+            raise Overloaded(f"No endpoint for '{ctx.model}' passes the routing policy's "
+                             "filters", code="no_eligible_endpoint", retry_after=1)
+        available = candidates
+        for keep in saturation:
+            available = keep(ctx, available)
+        if not available:
+            if may_fall_back and profile.fallback_pool is not None:
+                try:
+                    return self._choose(ctx, exclude, profile, rule, (profile.fallback_pool,),
+                                        False)
+                except (NotFound, Overloaded):
+                    pass
+            if may_fall_back and profile.fallback_model is not None:
+                _switch_model(ctx, profile.fallback_model)
+                return self._choose(ctx, exclude, profile, rule, None, False)
+            if profile.when_saturated == "reject":
+                raise Overloaded(f"Every endpoint serving '{ctx.model}' is saturated",
+                                 code="all_endpoints_saturated", retry_after=1)
+            available = candidates
+        scores, columns = (weighted_scores(ctx, available, profile.scorers)
+                           if profile.scorers else (None, []))
+        chosen = available[profile.picker(ctx, available, scores)]
+        self._record(ctx, chosen)
+        if self.services.explain_allowed(ctx):
+            ctx.response_headers.append((EXPLAIN_RESPONSE_HEADER, _explain(
+                self.policy.name, rule, profile, available, scores, columns)))
+        return chosen
+
+    def _prepare(self, ctx: RequestContext, candidates: Sequence[Endpoint]) -> None:
+        prefix = ctx.prefix
+        if prefix is None:
+            prefix = ctx.prefix = self.services.prefix_match(ctx)
+        missing = [e.name for e in candidates if e.name not in prefix.matched]
+        if missing:
+            prefix.matched.update(self.services.index.match(prefix.hashes, missing))
+
+    def _record(self, ctx: RequestContext, chosen: Endpoint) -> None:
+        prefix = ctx.prefix
+        if prefix is None:
+            return
+        self.services.index.record(chosen.name, prefix.hashes)
+        if prefix.session is not None:
+            self.services.affinity.set(prefix.session, chosen.name)
+
+
+def _switch_model(ctx: RequestContext, model: str) -> None:
+    """Fallback to a smaller model: the one place routing re-serialises the body."""
+    ctx.model = model
+    ctx.payload["model"] = model
+    ctx.body = orjson.dumps(ctx.payload)
+    ctx.prefix = None  # hashes are seeded by the model
+
+
+def _explain(policy: str, rule: str, profile: RoutingProfile, candidates: Sequence[Endpoint],
+             scores: Sequence[float] | None, columns: Sequence[Sequence[float]]) -> bytes:
+    names = [s.NAME for s, _ in profile.scorers]
+    parts = [f"policy={policy}; rule={rule}; objective={profile.objective}"]
+    for i, endpoint in enumerate(candidates):
+        fields = [endpoint.name]
+        if scores is not None:
+            fields.append(f"score={scores[i]:.3f}")
+            fields += [f"{name}={column[i]:.3f}" for name, column in zip(names, columns,
+                                                                       strict=True)]
+        fields.append(f"inflight={endpoint.inflight}")
+        parts.append(" ".join(fields))
+    return "; ".join(parts).encode("ascii", "replace")
+
+
+class PoolRouter:
+    """The process's `EndpointPicker`: a request goes to the picker of the first pool (in
+    config order) that serves its model; that pool's policy may name other pools."""
+
+    def __init__(self, fleet: Fleet, pickers: dict[str, PolicyPicker]) -> None:
+        self.fleet = fleet
+        self.pickers = pickers
+
+    def choose(self, ctx: RequestContext, exclude: Collection[Endpoint] = ()) -> Endpoint:
+        for pool in self.fleet.pools:
+            if any(ctx.model in e.models for e in pool.endpoints):
+                return self.pickers[pool.name].choose(ctx, exclude)
+        return routable_candidates(self.fleet, ctx.model, exclude)[0]  # raises NotFound
+
+
+def build_router(config: Config, fleet: Fleet, services: RoutingServices) -> PoolRouter:
+    """One PolicyPicker per pool, with the pool's built-in or file policy."""
+    return PoolRouter(fleet, {
+        pool.name: PolicyPicker(fleet, pool.name,
+                                config.routing_policy(pool.name) or builtin_policy(pool.policy),
+                                services)
+        for pool in config.pools
+    })
 
 
 class PickStage:

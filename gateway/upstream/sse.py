@@ -3,6 +3,13 @@
 It never changes or re-serialises the bytes: it only finds event boundaries so the relay knows
 when the first event arrived, whether the stream ended with `[DONE]` or an error event, and what
 usage the engine reported. Only events that may carry usage or an error are JSON-parsed.
+
+`feed` returns the bytes of the events it completed, so the relay forwards whole events only:
+a stream that breaks mid-event never leaves half an event before the error event.
+
+Malformed events are detected cheaply, without parsing: a data payload other than `[DONE]`
+must start with `{` and end with `}` (every engine sends one JSON object per event). A
+truncated or garbage event fails that check and raises SseProtocolError before it is relayed.
 """
 
 from __future__ import annotations
@@ -37,7 +44,8 @@ class SseScanner:
         """True once the stream ended properly: `[DONE]` or an error event."""
         return self.done or self.error is not None
 
-    def feed(self, chunk: bytes) -> None:
+    def feed(self, chunk: bytes) -> bytes:
+        """Scan `chunk`; return the bytes of the events it completed (possibly b"")."""
         buffer = self._tail + chunk if self._tail else chunk
         events = _BOUNDARY.split(buffer)
         self._tail = events.pop()
@@ -45,6 +53,12 @@ class SseScanner:
             raise SseProtocolError("upstream sent an event larger than 1 MiB")
         for event in events:
             self._event(event)
+        return buffer[:len(buffer) - len(self._tail)] if self._tail else buffer
+
+    def flush(self) -> bytes:
+        """Bytes held back after the last complete event (relayed once the stream ended)."""
+        tail, self._tail = self._tail, b""
+        return tail
 
     def _event(self, event: bytes) -> None:
         if not event.startswith(b"data:"):
@@ -59,6 +73,8 @@ class SseScanner:
         if data == b"[DONE]":
             self.done = True
             return
+        if data[:1] != b"{" or data[-1:] != b"}":
+            raise SseProtocolError("the engine sent a malformed event (not a JSON object)")
         if b'"error"' in data or b'"usage"' in data:
             self._inspect(data)
 

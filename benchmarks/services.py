@@ -1,0 +1,86 @@
+"""Start, probe and stop the processes a benchmark needs (loopback only, bounded waits)."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent
+PYTHON = sys.executable
+READY_TIMEOUT = 15.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _http_ok(port: int, path: str) -> bool:
+    request = f"GET {path} HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n".encode()
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1.0) as sock:
+            sock.sendall(request)
+            return sock.recv(64).startswith(b"HTTP/1.1 200")
+    except OSError:
+        return False
+
+
+def wait_ready(proc: subprocess.Popen[bytes], port: int, path: str) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode} before ready")
+        if _http_ok(port, path):
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"{proc.args!r} not ready on port {port} after {READY_TIMEOUT} s")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+
+@contextlib.contextmanager
+def service(args: list[str], port: int, ready_path: str) -> Iterator[subprocess.Popen[bytes]]:
+    """Run `python args...` until the block exits; ready once `GET ready_path` answers 200."""
+    proc = subprocess.Popen([PYTHON, *args], stdin=subprocess.DEVNULL)
+    try:
+        wait_ready(proc, port, ready_path)
+        yield proc
+    finally:
+        stop(proc)
+
+
+def fast_upstream(port: int, chunks: int, gap_ms: float) -> contextlib.AbstractContextManager[
+        subprocess.Popen[bytes]]:
+    return service([str(BENCH_DIR / "fast_upstream.py"), "--port", str(port),
+                    "--chunks", str(chunks), "--gap-ms", str(gap_ms)], port, "/health")
+
+
+def gateway_config(port: int, upstream_urls: list[str]) -> str:
+    endpoints = ", ".join(f'{{url: "{url}"}}' for url in upstream_urls)
+    return (f"server: {{host: 127.0.0.1, port: {port}, access_log: false}}\n"
+            "pools:\n"
+            "  - name: bench\n"
+            "    engine: vllm\n"
+            "    models: [bench-model]\n"
+            f"    endpoints: [{endpoints}]\n")
+
+
+def gateway(config_file: Path, port: int) -> contextlib.AbstractContextManager[
+        subprocess.Popen[bytes]]:
+    """One gateway worker (`kvgate serve`), ready once `/readyz` answers 200."""
+    return service(["-m", "gateway.cli", "serve", "--config", str(config_file),
+                    "--log-level", "warning"], port, "/readyz")

@@ -1,0 +1,34 @@
+"""What the picker learns about one request before scoring: computed once, read by scorers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class PrefixMatch:
+    """The request's prompt as the prefix index sees it, and how much of it each endpoint
+    probably holds. Produced once per request (retries reuse it); scorers only read it.
+
+    `matched[name]` is the number of leading blocks endpoint `name` held when the request was
+    routed (before the decision was recorded). `session` is the affinity key, if any.
+    """
+
+    hashes: list[int]
+    prompt_tokens: int
+    tokens_per_block: float
+    matched: dict[str, int] = field(default_factory=dict)
+    session: str | None = None
+    affinity: str | None = None
+
+    def match_ratio(self, endpoint: str) -> float:
+        if not self.hashes:
+            return 0.0
+        return self.matched.get(endpoint, 0) / len(self.hashes)
+
+    def cached_tokens(self, endpoint: str) -> int:
+        return min(self.prompt_tokens,
+                   int(self.matched.get(endpoint, 0) * self.tokens_per_block))
+
+    def uncached_tokens(self, endpoint: str) -> int:
+        return self.prompt_tokens - self.cached_tokens(endpoint)

@@ -1,0 +1,129 @@
+"""Pickers: the final choice among the candidates that passed the filters.
+
+A picker is a plugin (see STYLE.md): `NAME`, `Params` with defaults, a plain constructor,
+registration in `gateway/routing/plugins.py`. It gets the candidates and, when the policy has
+scorers, their weighted scores in [0, 1]; it returns the index of the chosen candidate.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import ClassVar, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.routing.endpoints import Endpoint
+from gateway.types import RequestContext
+
+
+class Params(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Picker(Protocol):
+    NAME: ClassVar[str]
+
+    def __call__(self, ctx: RequestContext, candidates: Sequence[Endpoint],
+                 scores: Sequence[float] | None) -> int:
+        """Index into `candidates` (never empty) of the endpoint to use."""
+        ...
+
+
+def load_of(endpoint: Endpoint) -> float:
+    """Requests on the endpoint: the gateway's in-flight count, or the engine's own count of
+    queued + running requests when that is higher (work from elsewhere)."""
+    return max(float(endpoint.inflight), endpoint.queued_requests + endpoint.active_sequences)
+
+
+class RandomParams(Params):
+    seed: int | None = None
+
+
+class RandomPicker:
+    NAME = "random"
+    Params = RandomParams
+
+    def __init__(self, params: RandomParams | None = None) -> None:
+        self.params = params or self.Params()
+        self._rng = random.Random(self.params.seed)
+
+    def __call__(self, ctx: RequestContext, candidates: Sequence[Endpoint],
+                 scores: Sequence[float] | None) -> int:
+        return self._rng.randrange(len(candidates))
+
+
+class RoundRobinPicker:
+    """Cycles through the candidates, one turn counter per model."""
+
+    NAME = "round_robin"
+    Params = Params
+
+    def __init__(self, params: Params | None = None) -> None:
+        self.params = params or self.Params()
+        self._turn: dict[str, int] = {}
+
+    def __call__(self, ctx: RequestContext, candidates: Sequence[Endpoint],
+                 scores: Sequence[float] | None) -> int:
+        turn = self._turn.get(ctx.model, 0)
+        self._turn[ctx.model] = turn + 1
+        return turn % len(candidates)
+
+
+class LeastLoadedPicker:
+    """Fewest requests (`load_of`); ties broken at random."""
+
+    NAME = "least_loaded"
+    Params = RandomParams
+
+    def __init__(self, params: RandomParams | None = None) -> None:
+        self.params = params or self.Params()
+        self._rng = random.Random(self.params.seed)
+
+    def __call__(self, ctx: RequestContext, candidates: Sequence[Endpoint],
+                 scores: Sequence[float] | None) -> int:
+        loads = [load_of(e) for e in candidates]
+        least = min(loads)
+        return self._rng.choice([i for i, load in enumerate(loads) if load == least])
+
+
+class MaxScoreParams(Params):
+    """`tie_margin`: scores within this of the best are near ties, decided by power of two
+    choices on load. Imbalance gate (SGLang's cache-aware router does the same): when the most
+    loaded candidate has more than `imbalance_abs` requests above the least loaded one and more
+    than `imbalance_rel` times its load, scores are ignored and the least loaded one wins."""
+
+    tie_margin: float = Field(0.02, ge=0, le=1)
+    imbalance_abs: float = Field(32, ge=0)
+    imbalance_rel: float = Field(1.5, ge=1)
+    seed: int | None = None
+
+
+class MaxScorePicker:
+    NAME = "max_score"
+    Params = MaxScoreParams
+
+    def __init__(self, params: MaxScoreParams | None = None) -> None:
+        self.params = params or self.Params()
+        self._rng = random.Random(self.params.seed)
+
+    def imbalanced(self, loads: Sequence[float]) -> bool:
+        low, high = min(loads), max(loads)
+        p = self.params
+        return high - low > p.imbalance_abs and high > p.imbalance_rel * low
+
+    def __call__(self, ctx: RequestContext, candidates: Sequence[Endpoint],
+                 scores: Sequence[float] | None) -> int:
+        loads = [load_of(e) for e in candidates]
+        if scores is None or self.imbalanced(loads):
+            least = min(loads)
+            return self._rng.choice([i for i, load in enumerate(loads) if load == least])
+        best = max(scores)
+        ties = [i for i, s in enumerate(scores) if s >= best - self.params.tie_margin]
+        if len(ties) == 1:
+            return ties[0]
+        first, second = self._rng.sample(ties, 2)
+        if loads[second] < loads[first] or (loads[second] == loads[first]
+                                             and scores[second] > scores[first]):
+            return second
+        return first

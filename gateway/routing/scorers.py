@@ -1,0 +1,170 @@
+"""Scorers: how good each candidate endpoint is for a request, as a value in [0, 1].
+
+A scorer is a plugin (see STYLE.md): `NAME`, a `Params` model with defaults, a plain
+constructor, registration in `gateway/routing/plugins.py`. Calling it is pure over precomputed
+data: the prefix match (`ctx.prefix`, computed once per request by the picker) and each
+endpoint's load view. It returns one value per candidate, higher is better, nominally in
+[0, 1]; the picker clamps and weights them centrally.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.routing.endpoints import Endpoint
+from gateway.types import RequestContext
+
+
+class Params(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Scorer(Protocol):
+    NAME: ClassVar[str]
+
+    def __call__(self, ctx: RequestContext, candidates: Sequence[Endpoint]) -> list[float]:
+        """One score per candidate, higher is better, in [0, 1]. Pure."""
+        ...
+
+
+def _inverse_min_max(values: Sequence[float]) -> list[float]:
+    """1 for the smallest value, 0 for the largest, linear between; all 1 when equal."""
+    low, high = min(values), max(values)
+    if high <= low:
+        return [1.0] * len(values)
+    span = high - low
+    return [(high - v) / span for v in values]
+
+
+class PrefixMatchScorer:
+    """Fraction of the prompt's hashed blocks the endpoint probably holds."""
+
+    NAME = "prefix_match"
+    Params = Params
+
+    def __init__(self, params: Params | None = None) -> None:
+        self.params = params or self.Params()
+
+    def __call__(self, ctx: RequestContext, candidates: Sequence[Endpoint]) -> list[float]:
+        prefix = ctx.prefix
+        if prefix is None:
+            return [0.0] * len(candidates)
+        return [prefix.match_ratio(e.name) for e in candidates]
+
+
+class QueueDepthScorer:
+    """Fewer requests waiting for their first token is better (min-max across candidates)."""
+
+    NAME = "queue_depth"
+    Params = Params
+
+    def __init__(self, params: Params | None = None) -> None:
+        self.params = params or self.Params()
+
+    def __call__(self, ctx: RequestContext, candidates: Sequence[Endpoint]) -> list[float]:
+        return _inverse_min_max([e.queued_requests for e in candidates])
+
+
+class KvUsageScorer:
+    """More free KV cache is better: 1 - KV use (0 use when telemetry is stale)."""
+
+    NAME = "kv_usage"
+    Params = Params
+
+    def __init__(self, params: Params | None = None) -> None:
+        self.params = params or self.Params()
+
+    def __call__(self, ctx: RequestContext, candidates: Sequence[Endpoint]) -> list[float]:
+        return [1.0 - e.kv_usage for e in candidates]
+
+
+class InflightScorer:
+    """Fewer requests in flight from this gateway is better (min-max across candidates)."""
+
+    NAME = "inflight"
+    Params = Params
+
+    def __init__(self, params: Params | None = None) -> None:
+        self.params = params or self.Params()
+
+    def __call__(self, ctx: RequestContext, candidates: Sequence[Endpoint]) -> list[float]:
+        return _inverse_min_max([float(e.inflight) for e in candidates])
+
+
+class PredictedTtftParams(Params):
+    """`decode_token_weight`: prefill tokens one decoding sequence costs a new request's first
+    step (step time per sequence ÷ prefill time per token, ≈ 2 on an 8B model);
+    `base_tokens`: the fixed cost of one engine step in prefill tokens (≈ 15 ms ÷ 0.1 ms)."""
+
+    decode_token_weight: float = Field(2.0, ge=0)
+    base_tokens: float = Field(150.0, gt=0)
+
+
+def predicted_cost_tokens(ctx: RequestContext, endpoint: Endpoint,
+                          params: PredictedTtftParams) -> float:
+    """Predicted time to first token in prefill-token units: the fixed step cost, the prompt
+    tokens not cached there, the prefill work queued ahead and the decoding sequences."""
+    prefix = ctx.prefix
+    uncached = prefix.uncached_tokens(endpoint.name) if prefix is not None else 0
+    return (params.base_tokens + uncached + endpoint.queued_tokens
+            + params.decode_token_weight * endpoint.active_sequences)
+
+
+class PredictedTtftScorer:
+    """kvgate's objective: the lowest predicted cost scores 1, others best ÷ theirs."""
+
+    NAME = "predicted_ttft"
+    Params = PredictedTtftParams
+
+    def __init__(self, params: PredictedTtftParams | None = None) -> None:
+        self.params = params or self.Params()
+
+    def __call__(self, ctx: RequestContext, candidates: Sequence[Endpoint]) -> list[float]:
+        costs = [predicted_cost_tokens(ctx, e, self.params) for e in candidates]
+        best = min(costs)
+        return [best / c for c in costs]
+
+
+class EndpointCostParams(Params):
+    label: str = "cost"
+    default: float = Field(1.0, gt=0)
+
+
+class EndpointCostScorer:
+    """Cheaper endpoints (numeric `cost` label, e.g. $ per GPU-hour) score higher: min ÷ own."""
+
+    NAME = "endpoint_cost"
+    Params = EndpointCostParams
+
+    def __init__(self, params: EndpointCostParams | None = None) -> None:
+        self.params = params or self.Params()
+
+    def _cost(self, endpoint: Endpoint) -> float:
+        try:
+            value = float(endpoint.labels.get(self.params.label, self.params.default))
+        except ValueError:
+            return self.params.default
+        return value if value > 0 else self.params.default
+
+    def __call__(self, ctx: RequestContext, candidates: Sequence[Endpoint]) -> list[float]:
+        costs = [self._cost(e) for e in candidates]
+        cheapest = min(costs)
+        return [cheapest / c for c in costs]
+
+
+class SessionAffinityScorer:
+    """1 for the endpoint that served the request's session (user / session / workflow id)
+    most recently, 0 for the others."""
+
+    NAME = "session_affinity"
+    Params = Params
+
+    def __init__(self, params: Params | None = None) -> None:
+        self.params = params or self.Params()
+
+    def __call__(self, ctx: RequestContext, candidates: Sequence[Endpoint]) -> list[float]:
+        target = ctx.prefix.affinity if ctx.prefix is not None else None
+        return [1.0 if e.name == target else 0.0 for e in candidates]

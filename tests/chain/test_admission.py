@@ -1,0 +1,252 @@
+"""Waiting for capacity: class order, fair shares, bounds, deadlines, disconnects, and that every
+slot, reservation and queue entry comes back to zero."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from gateway.chain.queues import AdmissionQueue, Waiter
+from gateway.chain.settings import DEFAULT_TIERS, TenantConfig
+from gateway.chain.tenants import build_tenant
+from gateway.types import RequestContext
+from tests.chain.helpers import IDLE, admission_state, make_key, tenant
+from tests.conftest import gateway_config
+
+LANES = {"rules": [
+    {"name": "batch", "when": {"headers": {"x-lane": "batch"}}, "then": {"class": "batch"}},
+    {"name": "fast", "when": {"headers": {"x-lane": "fast"}}, "then": {"class": "interactive"}},
+]}
+
+
+def _saturating_config(url: str, **overrides: Any) -> dict[str, Any]:
+    """One endpoint that takes one request at a time: everything else waits in the gateway."""
+    config = gateway_config([url], pool={"models": ["m1"], "endpoints": [
+        {"url": url, "max_inflight": 1}]}, auth="none", classification=LANES)
+    config.update(overrides)
+    return config
+
+
+def _body(tag: str, stream: bool = True) -> dict[str, Any]:
+    return {"model": "m1", "stream": stream, "messages": [{"role": "user", "content": tag}]}
+
+
+async def _until(predicate, within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+def _tags(engine) -> list[str]:
+    return [r.body["messages"][0]["content"] for r in engine.inference_requests]
+
+
+def test_waiting_requests_run_in_class_order(upstream, start_gateway):
+    engine, up = upstream
+    engine.script.chunks, engine.script.gap = 4, 0.15
+    app, server = start_gateway(_saturating_config(up.url))
+    url = server.url + "/v1/chat/completions"
+
+    async def scenario() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=20) as client:
+            def post(tag: str, lane: str) -> asyncio.Task[httpx.Response]:
+                return asyncio.ensure_future(client.post(url, json=_body(tag),
+                                                         headers={"x-lane": lane}))
+            hold = post("hold", "batch")
+            await _until(lambda: len(engine.inference_requests) == 1)
+            batch = post("batch", "batch")
+            await _until(lambda: len(app.admission.queue) == 1)
+            standard = post("standard", "none")
+            await _until(lambda: len(app.admission.queue) == 2)
+            fast = post("fast", "fast")
+            await _until(lambda: len(app.admission.queue) == 3)
+            return list(await asyncio.gather(hold, batch, standard, fast))
+
+    responses = asyncio.run(scenario())
+    assert [r.status_code for r in responses] == [200] * 4
+    assert _tags(engine) == ["hold", "fast", "standard", "batch"]
+    assert admission_state(app, server) == IDLE
+
+
+def test_disconnect_while_queued_removes_the_entry_at_once(upstream, start_gateway):
+    engine, up = upstream
+    engine.script.chunks, engine.script.gap = 4, 0.3
+    app, server = start_gateway(_saturating_config(up.url))
+    url = server.url + "/v1/chat/completions"
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(timeout=20) as client:
+            hold = asyncio.ensure_future(client.post(url, json=_body("hold")))
+            await _until(lambda: len(engine.inference_requests) == 1)
+            async with httpx.AsyncClient(timeout=20) as leaver:
+                gone = asyncio.ensure_future(leaver.post(url, json=_body("gone")))
+                await _until(lambda: len(app.admission.queue) == 1)
+                gone.cancel()
+            await _until(lambda: len(app.admission.queue) == 0, within=1.0)
+            assert app.admission.quotas.outstanding()[0] <= 1  # only the running one
+            assert (await hold).status_code == 200
+
+    asyncio.run(scenario())
+    assert _tags(engine) == ["hold"]
+    assert admission_state(app, server) == IDLE
+
+
+def test_full_queue_sheds_the_lowest_class_first(upstream, start_gateway):
+    engine, up = upstream
+    engine.script.chunks, engine.script.gap = 4, 0.15
+    app, server = start_gateway(_saturating_config(up.url, admission={"max_queued": 1}))
+    url = server.url + "/v1/chat/completions"
+
+    async def scenario() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=20) as client:
+            def post(tag: str, lane: str) -> asyncio.Task[httpx.Response]:
+                return asyncio.ensure_future(client.post(url, json=_body(tag),
+                                                         headers={"x-lane": lane}))
+            hold = post("hold", "fast")
+            await _until(lambda: len(engine.inference_requests) == 1)
+            batch = post("batch", "batch")
+            await _until(lambda: len(app.admission.queue) == 1)
+            fast = post("fast", "fast")
+            displaced = await batch
+            late_batch = await post("late-batch", "batch")
+            return [await hold, displaced, await fast, late_batch]
+
+    hold, displaced, fast, late_batch = asyncio.run(scenario())
+    assert hold.status_code == fast.status_code == 200
+    assert displaced.status_code == 503
+    assert displaced.json()["error"]["code"] == "displaced"
+    assert displaced.json()["error"]["type"] == "overloaded_error"
+    assert int(displaced.headers["retry-after"]) >= 1
+    assert late_batch.status_code == 503
+    assert late_batch.json()["error"]["code"] in ("queue_full", "displaced")
+    assert _tags(engine) == ["hold", "fast"]
+    assert admission_state(app, server) == IDLE
+    metrics = httpx.get(server.url + "/metrics").text
+    assert 'kvgate_admission_shed_total{class="batch",reason="displaced"} 1.0' in metrics
+
+
+def test_queue_wait_limit_and_unmeetable_deadline_are_503(upstream, start_gateway):
+    engine, up = upstream
+    engine.script.chunks, engine.script.gap = 4, 0.3
+    classification = {**LANES, "classes": {"batch": {"deadline": 60, "max_queue_wait": 0.2}}}
+    app, server = start_gateway(_saturating_config(
+        up.url, classification=classification, admission={"initial_ttft": 5}))
+    url = server.url + "/v1/chat/completions"
+
+    async def scenario() -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(timeout=20) as client:
+            hold = asyncio.ensure_future(client.post(url, json=_body("hold")))
+            await _until(lambda: len(engine.inference_requests) == 1)
+            timed_out = await client.post(url, json=_body("slow"), headers={"x-lane": "batch"})
+            unmeetable = await client.post(url, json=_body("tight"),
+                                           headers={"x-kvgate-deadline": "3"})
+            await hold
+            return timed_out, unmeetable
+
+    timed_out, unmeetable = asyncio.run(scenario())
+    assert timed_out.status_code == 503 and timed_out.json()["error"]["code"] == "queue_timeout"
+    assert unmeetable.status_code == 503
+    assert unmeetable.json()["error"]["code"] == "deadline_unmeetable"
+    assert _tags(engine) == ["hold"]
+    assert admission_state(app, server) == IDLE
+
+
+A_KEY, A_ENTRY = make_key("a-1")
+B_KEY, B_ENTRY = make_key("b-1")
+
+
+def test_tenant_concurrency_cap_waits_without_blocking_others(upstream, start_gateway):
+    engine, up = upstream
+    engine.script.chunks, engine.script.gap = 4, 0.15
+    app, server = start_gateway(gateway_config([up.url], pool={"models": ["m1"]}, auth={
+        "tenants": [tenant("a", "silver", [A_ENTRY], limits={"max_concurrent": 1}),
+                    tenant("b", "silver", [B_ENTRY],
+                           limits={"max_concurrent": 1, "max_queued": 0})]}))
+    url = server.url + "/v1/chat/completions"
+
+    async def scenario() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=20) as client:
+            def post(key: str, tag: str) -> asyncio.Task[httpx.Response]:
+                return asyncio.ensure_future(client.post(
+                    url, json=_body(tag), headers={"authorization": f"Bearer {key}"}))
+            first_a = post(A_KEY, "a1")
+            await _until(lambda: len(engine.inference_requests) == 1)
+            second_a = post(A_KEY, "a2")
+            await _until(lambda: len(app.admission.queue) == 1)
+            first_b = post(B_KEY, "b1")
+            await _until(lambda: len(engine.inference_requests) == 2)
+            second_b = await post(B_KEY, "b2")
+            return [await first_a, await second_a, await first_b, second_b]
+
+    a1, a2, b1, b2 = asyncio.run(scenario())
+    assert a1.status_code == a2.status_code == b1.status_code == 200
+    assert b2.status_code == 429 and b2.json()["error"]["code"] == "max_queued_exceeded"
+    assert _tags(engine) == ["a1", "b1", "a2"]
+    assert admission_state(app, server) == IDLE
+
+
+# --- the queue alone ------------------------------------------------------------------------
+
+
+def _waiter(loop: asyncio.AbstractEventLoop, tier: str, name: str, rank: int = 2,
+            deadline: float = 100.0, boost: float = 0.0) -> Waiter:
+    tenant_ = build_tenant(TenantConfig(name=name, tier=tier), DEFAULT_TIERS[tier], None)
+    ctx = RequestContext(name, "chat", "/v1/chat/completions", [], b"", {}, "m1", False)
+    return Waiter(ctx=ctx, tenant=tenant_, key=("m1", None), rank=rank, deadline=deadline,
+                  boost=boost, enqueued=0.0, future=loop.create_future())
+
+
+async def test_weighted_fair_between_tenants_of_a_class():
+    loop = asyncio.get_running_loop()
+    queue = AdmissionQueue()
+    for i in range(20):
+        queue.push(_waiter(loop, "gold", "g", deadline=i))
+        queue.push(_waiter(loop, "bronze", "b", deadline=i))
+    served = [queue.pop_next(("m1", None), range(3), lambda t: True).tenant.name
+              for _ in range(10)]
+    assert served.count("g") == 8 and served.count("b") == 2  # weights 4 : 1
+    assert len(queue) == 30
+
+
+async def test_edf_within_a_tenant_and_workflow_boost():
+    loop = asyncio.get_running_loop()
+    queue = AdmissionQueue()
+    late = _waiter(loop, "silver", "t", deadline=50)
+    early = _waiter(loop, "silver", "t", deadline=20)
+    step_five = _waiter(loop, "silver", "t", deadline=30, boost=20)  # effective 10
+    for waiter in (late, early, step_five):
+        queue.push(waiter)
+    order = [queue.pop_next(("m1", None), range(3), lambda t: True) for _ in range(3)]
+    assert order == [step_five, early, late]
+
+
+async def test_removed_waiters_are_skipped_and_shed_order():
+    loop = asyncio.get_running_loop()
+    queue = AdmissionQueue()
+    gold_batch = _waiter(loop, "gold", "g", rank=2)
+    bronze_batch = _waiter(loop, "bronze", "b", rank=2)
+    bronze_fast = _waiter(loop, "bronze", "b", rank=0)
+    for waiter in (gold_batch, bronze_batch, bronze_fast):
+        queue.push(waiter)
+    assert queue.shed_candidate() is bronze_batch
+    assert queue.remove(bronze_batch) and not queue.remove(bronze_batch)
+    assert queue.shed_candidate() is gold_batch
+    assert queue.pop_next(("m1", None), range(3), lambda t: True) is bronze_fast
+    assert queue.pop_next(("m1", None), range(3), lambda t: t.name != "g") is None
+    assert len(queue) == 1
+
+
+@pytest.mark.parametrize("lane", ["fast", "batch"])
+def test_unsaturated_requests_do_not_wait(upstream, start_gateway, lane):
+    _, up = upstream
+    app, server = start_gateway(gateway_config([up.url], auth="none", classification=LANES,
+                                               pool={"models": ["m1"]}))
+    response = httpx.post(server.url + "/v1/chat/completions", json=_body("x", stream=False),
+                          headers={"x-lane": lane})
+    assert response.status_code == 200
+    assert admission_state(app, server) == IDLE

@@ -1,0 +1,94 @@
+"""Client headers cannot change tenant or priority, and a client's `cache_salt` never reaches
+an engine for an isolated tenant: the gateway's per-tenant salt does."""
+
+from __future__ import annotations
+
+import httpx
+
+from gateway.chain.tenants import cache_salt_for
+from gateway.types import RequestContext
+from tests.chain.helpers import chat, make_key, tenant
+from tests.conftest import gateway_config
+
+GOLD, GOLD_ENTRY = make_key("gold-1")
+BRONZE, BRONZE_ENTRY = make_key("bronze-1")
+OPEN, OPEN_ENTRY = make_key("open-1")
+SECRET = "salt-secret-for-tests"
+
+
+def _config(url: str) -> dict:
+    return gateway_config([url], pool={"models": ["m1"]}, auth={
+        "cache_salt_secret": SECRET,
+        "tenants": [tenant("gold", "gold", [GOLD_ENTRY]),
+                    tenant("bronze", "bronze", [BRONZE_ENTRY]),
+                    tenant("open", "silver", [OPEN_ENTRY], cache_isolation="shared")],
+        "admin_keys": [],
+    }, classification={"rules": [
+        {"name": "wants-interactive", "when": {"headers": {"x-app": "chat"}},
+         "then": {"class": "interactive"}}]})
+
+
+INJECTED = {"x-kvgate-tenant": "gold", "x-kvgate-priority": "0", "x-kvgate-tier": "gold",
+            "x-tenant": "gold", "x-priority": "0"}
+
+
+def test_client_cache_salt_is_overwritten_and_headers_do_not_travel(upstream, start_gateway):
+    engine, up = upstream
+    _, server = start_gateway(_config(up.url))
+    response = chat(server.url, BRONZE, headers=INJECTED, cache_salt="steal-gold-cache")
+    assert response.status_code == 200
+    received = engine.inference_requests[-1]
+    assert received.body["cache_salt"] == cache_salt_for("bronze", SECRET)
+    assert received.body["cache_salt"] != cache_salt_for("gold", SECRET)
+    assert not any(name.startswith("x-kvgate-") for name in received.headers)
+    assert received.body["messages"] == [{"role": "user", "content": "hi"}]
+
+
+def test_salts_differ_per_tenant_and_shared_tenants_keep_their_body(upstream, start_gateway):
+    engine, up = upstream
+    _, server = start_gateway(_config(up.url))
+    chat(server.url, GOLD)
+    chat(server.url, BRONZE)
+    chat(server.url, OPEN, cache_salt="client-choice")
+    salts = [r.body.get("cache_salt") for r in engine.inference_requests]
+    assert salts[0] != salts[1] and all(salts[:2])
+    assert salts[2] == "client-choice"
+
+
+def test_headers_cannot_change_tenant_or_raise_priority(upstream, start_gateway):
+    _, up = upstream
+    app, server = start_gateway(_config(up.url))
+
+    def explain(key: str, headers: dict[str, str]) -> dict:
+        """Classify as the chain does: the tenant comes from the key, never from headers."""
+        raw = [(k.encode(), v.encode()) for k, v in headers.items()]
+        payload = {"model": "m1", "messages": [{"role": "user", "content": "hi"}]}
+        ctx = RequestContext("t", "chat", "/v1/chat/completions", raw, b"", payload, "m1",
+                             False)
+        tenant_ = app.tenants.keys[key.partition(".")[0]].tenant
+        return app.classifier.classify(ctx, tenant_).explain()
+
+    bronze = explain(BRONZE, {**INJECTED, "x-app": "chat"})
+    assert bronze["tier"] == "bronze"
+    assert bronze["class"] == "standard" and bronze["capped_by_tier"] is True
+    gold = explain(GOLD, {"x-app": "chat"})
+    assert gold["class"] == "interactive"
+    assert chat(server.url, BRONZE, headers=INJECTED).status_code == 200
+
+
+def test_admin_explain_reports_rule_and_tenant(upstream, start_gateway):
+    _, up = upstream
+    admin, admin_entry = make_key("ops-1")
+    config = _config(up.url)
+    config["auth"]["admin_keys"] = [admin_entry]
+    _, server = start_gateway(config)
+    response = httpx.post(server.url + "/admin/explain/v1/chat/completions?tenant=gold",
+                          headers={"authorization": f"Bearer {admin}", "x-app": "chat",
+                                   "x-kvgate-workflow-id": "wf-9",
+                                   "x-kvgate-workflow-step": "3/5"},
+                          json={"model": "m1", "messages": [{"role": "user", "content": "hi"}]})
+    assert response.status_code == 200
+    body = response.json()
+    assert body["tenant"] == "gold" and body["intent"]["rule"] == "wants-interactive"
+    assert body["intent"]["workflow"] == {"id": "wf-9", "step": 3, "total": 5}
+    assert body["priority"] == 0

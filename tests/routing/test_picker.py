@@ -1,0 +1,194 @@
+"""The policy picker over in-process endpoints: prefix stickiness, spill, guards, fallback,
+affinity, explain, exclusions; and exactly-once load accounting per attempt."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.errors import NotFound, Overloaded
+from gateway.routing.picker import PolicyPicker, PoolRouter, RoutingServices
+from gateway.routing.policy import build_policy, builtin_policy
+from gateway.routing.settings import RoutingConfig
+from tests.routing.helpers import ctx, endpoint, fleet, telemetry
+
+SYSTEM = "You are a careful assistant. " * 40  # ~1,200 characters shared by a group
+
+
+def _picker(*endpoints, policy=None, explain="never"):
+    services = RoutingServices.from_config(RoutingConfig(explain=explain))
+    f = fleet(*endpoints)
+    return PolicyPicker(f, "p", policy or builtin_policy("kvgate"), services), services
+
+
+def _dispatch(e, request):
+    e.begin_attempt(request)
+
+
+def test_shared_prefix_sticks_to_one_endpoint_and_a_new_prefix_goes_elsewhere():
+    a, b, c = endpoint("a"), endpoint("b"), endpoint("c")
+    picker, _ = _picker(a, b, c)
+    first = picker.choose(ctx(SYSTEM + "question 0"))
+    for i in range(1, 6):
+        assert picker.choose(ctx(SYSTEM + f"question {i}")) is first
+    request = ctx(SYSTEM + "question 9")
+    picker.choose(request)
+    assert request.prefix is not None and request.prefix.matched[first.name] > 0
+
+
+def test_hot_prefix_spills_when_its_endpoint_saturates():
+    a, b = endpoint("a"), endpoint("b")
+    picker, _ = _picker(a, b)
+    first = picker.choose(ctx(SYSTEM + "q"))
+    first.telemetry = telemetry(waiting=6)  # above max_waiting=5
+    second = picker.choose(ctx(SYSTEM + "q2"))
+    assert second is not first
+    # now both hold the prefix; once the first recovers, ties are broken by load
+    first.telemetry = telemetry()
+    assert {picker.choose(ctx(SYSTEM + f"q{i}")).name for i in range(3, 40)} <= {"a", "b"}
+
+
+def test_queued_work_outweighs_a_cache_hit():
+    a, b = endpoint("a"), endpoint("b")
+    picker, _ = _picker(a, b)
+    first = picker.choose(ctx(SYSTEM + "q"))
+    first.prefill_tokens, first.prefill_requests = 5000, 10  # a long prefill queue
+    assert picker.choose(ctx(SYSTEM + "q2")) is not first
+
+
+def test_imbalance_gate_sends_to_least_loaded():
+    a, b = endpoint("a"), endpoint("b")
+    picker, _ = _picker(a, b)
+    first = picker.choose(ctx(SYSTEM + "q"))
+    first.inflight = 40
+    first.decoding = 0
+    assert picker.choose(ctx(SYSTEM + "q2")) is not first
+
+
+def test_session_affinity_from_user_field_and_headers():
+    a, b, c = endpoint("a"), endpoint("b"), endpoint("c")
+    picker, services = _picker(a, b, c)
+    first = picker.choose(ctx("short", user="u1"))  # too short to hash: affinity only
+    assert all(picker.choose(ctx("short", user="u1")) is first for _ in range(5))
+    header = [(b"x-kvgate-session-id", b"s-1")]
+    chosen = picker.choose(ctx("tiny", headers=header))
+    assert picker.choose(ctx("tiny", headers=header)) is chosen
+    assert len(services.affinity) == 2
+
+
+def test_exclusions_and_errors():
+    a, b = endpoint("a"), endpoint("b")
+    picker, _ = _picker(a, b)
+    assert picker.choose(ctx(), exclude=[a]) is b
+    with pytest.raises(Overloaded):
+        picker.choose(ctx(), exclude=[a, b])
+    with pytest.raises(NotFound):
+        picker.choose(ctx(model="unknown"))
+
+
+def test_when_saturated_queue_reject_and_fallbacks():
+    a = endpoint("a", telemetry=telemetry(waiting=9))
+    big = endpoint("big", pool="spare", telemetry=telemetry())
+    small = endpoint("small", model="m-small", pool="spare")
+    queue, _ = _picker(a, big, small)
+    assert queue.choose(ctx()) is a  # saturated, but the engine queues it
+    reject, _ = _picker(a, big, small, policy=build_policy({"when_saturated": "reject"}, "p"))
+    with pytest.raises(Overloaded) as caught:
+        reject.choose(ctx())
+    assert caught.value.code == "all_endpoints_saturated"
+    to_pool, _ = _picker(a, big, small, policy=build_policy({"fallback": {"pool": "spare"}}, "p"))
+    assert to_pool.choose(ctx()) is big
+    to_model, _ = _picker(a, big, small,
+                          policy=build_policy({"fallback": {"model": "m-small"}}, "p"))
+    request = ctx()
+    assert to_model.choose(request) is small
+    assert (request.model, request.payload["model"]) == ("m-small", "m-small")
+    assert b'"m-small"' in request.body
+
+
+def test_jurisdiction_filter_applies_residency():
+    us = endpoint("us", labels={"jurisdiction": "us"})
+    eu = endpoint("eu", labels={"jurisdiction": "eu"})
+    picker, _ = _picker(us, eu)
+    request = ctx(SYSTEM)
+    request.allowed_jurisdictions = frozenset({"eu"})
+    assert picker.choose(request) is eu
+    request = ctx(SYSTEM)
+    request.allowed_jurisdictions = frozenset({"cn"})
+    with pytest.raises(Overloaded):
+        picker.choose(request)
+
+
+@pytest.mark.parametrize(("mode", "header", "shown"), [
+    ("always", b"1", True), ("always", b"0", False), ("never", b"1", False),
+    ("admin", b"1", False)])
+def test_explain_header(mode, header, shown):
+    picker, _ = _picker(endpoint("a"), endpoint("b"), explain=mode)
+    request = ctx(SYSTEM, headers=[(b"x-kvgate-explain", header)])
+    picker.choose(request)
+    explained = dict(request.response_headers).get(b"x-kvgate-route-explain")
+    assert (explained is not None) == shown
+    if shown:
+        assert explained.startswith(b"policy=kvgate; rule=default; objective=latency; a score=")
+        assert b"predicted_ttft=" in explained
+
+
+@pytest.mark.parametrize("name", ["random", "round_robin", "least_loaded"])
+def test_builtin_pickers_spread_over_endpoints(name):
+    eps = [endpoint(n) for n in "abc"]
+    picker, _ = _picker(*eps, policy=builtin_policy(name))
+    seen = set()
+    for i in range(60):
+        chosen = picker.choose(ctx(SYSTEM + str(i)))
+        chosen.begin_attempt(request := ctx())
+        seen.add(chosen.name)
+        if name == "least_loaded":
+            assert max(e.inflight for e in eps) - min(e.inflight for e in eps) <= 1
+        chosen.end_attempt(request)
+    assert seen == {"a", "b", "c"}
+
+
+def test_pool_router_sends_each_model_to_its_pool():
+    a, b = endpoint("a", pool="p1", model="m1"), endpoint("b", pool="p2", model="m2")
+    f = fleet(a, b)
+    services = RoutingServices.from_config(RoutingConfig())
+    router = PoolRouter(f, {p: PolicyPicker(f, p, builtin_policy("kvgate"), services)
+                            for p in ("p1", "p2")})
+    assert router.choose(ctx(model="m1")) is a
+    assert router.choose(ctx(model="m2")) is b
+    with pytest.raises(NotFound):
+        router.choose(ctx(model="m3"))
+
+
+def test_load_accounting_is_exactly_once_per_attempt():
+    a, b = endpoint("a"), endpoint("b")
+    picker, _ = _picker(a, b)
+    request = ctx(SYSTEM + "q")
+    chosen = picker.choose(request)
+    chosen.begin_attempt(request)
+    chosen.begin_attempt(request)  # a duplicate begin is ignored
+    assert (chosen.inflight, chosen.prefill_requests) == (1, 1)
+    assert chosen.prefill_tokens == request.prefix.prompt_tokens  # nothing cached before
+    chosen.first_token(request)
+    chosen.first_token(request)
+    assert (chosen.prefill_requests, chosen.prefill_tokens, chosen.decoding) == (0, 0, 1)
+    chosen.end_attempt(request)
+    chosen.end_attempt(request)
+    assert (chosen.inflight, chosen.decoding, chosen.prefill_tokens) == (0, 0, 0)
+    retry = ctx(SYSTEM + "q")
+    other = picker.choose(retry, exclude=[chosen])
+    other.begin_attempt(retry)
+    other.end_attempt(retry)  # ended before its first token
+    assert (other.inflight, other.prefill_requests, other.prefill_tokens) == (0, 0, 0)
+
+
+def test_telemetry_corrects_the_view_upwards_and_goes_stale():
+    e = endpoint("a", prefill_requests=1, prefill_tokens=100, decoding=2)
+    e.telemetry = telemetry(waiting=3, running=7, kv_usage=0.5)
+    assert (e.queued_requests, e.active_sequences, e.kv_usage) == (3, 7, 0.5)
+    assert e.queued_tokens == 100 + 2 * e.mean_prompt_tokens
+    e.telemetry = telemetry(age=60, waiting=3, running=7)
+    assert e.stale and (e.queued_requests, e.active_sequences, e.kv_usage) == (1, 2, 0.0)
+    assert e.routable  # stale policy `local` keeps it
+    from gateway.routing.endpoints import EndpointLimits
+    e.limits = EndpointLimits(stale_policy="exclude")
+    assert not e.routable

@@ -1,0 +1,123 @@
+"""End to end on real sockets: the gateway routes a shared prefix to one simulated engine until
+it saturates, then spills; an endpoint whose /metrics stops answering follows the stale policy."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from gateway.sim import EngineOptions, SimFleet
+from tests.conftest import gateway_config
+from tests.servers import ServerThread
+
+SYSTEM = "You are the support assistant of a bicycle shop; answer briefly and kindly. " * 30
+
+
+def _chat(question: str, **extra: Any) -> dict[str, Any]:
+    return {"model": "sim-model", "stream": True, "max_tokens": 400, "ignore_eos": True,
+            "messages": [{"role": "system", "content": SYSTEM},
+                         {"role": "user", "content": question}], **extra}
+
+
+def _wait(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def test_shared_prefix_lands_on_one_engine_until_it_saturates_then_spills(start_gateway):
+    options = EngineOptions(profile="realistic", speed=1.0, kv_blocks=4000)
+    with SimFleet.in_thread(engines=3, options=options) as fleet:
+        config = gateway_config(fleet.urls, routing={"scrape_interval": 0.2})
+        for endpoint in config["pools"][0]["endpoints"]:
+            endpoint["max_inflight"] = 3
+        app, server = start_gateway(config)
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            streams, chosen = [], []
+            try:
+                for i in range(5):
+                    stream = client.stream("POST", "/v1/chat/completions",
+                                           json=_chat(f"Question {i}?"))
+                    response = stream.__enter__()
+                    streams.append(stream)
+                    assert response.status_code == 200
+                    chosen.append(response.headers["x-kvgate-endpoint"])
+                    chunks = response.iter_raw()
+                    next(chunks)  # first token arrived: the engine holds the request
+                    streams.append(chunks)  # keep the iterator: dropping it closes the stream
+            finally:
+                for stream in streams:
+                    if not hasattr(stream, "__next__"):
+                        stream.__exit__(None, None, None)
+        assert chosen[0] == chosen[1] == chosen[2]
+        assert chosen[3] != chosen[0] and chosen[4] == chosen[3]
+        _wait(lambda: all(e.inflight == 0 and e.decoding == 0 and e.prefill_tokens == 0
+                          for e in app.fleet.endpoints))
+        hits = [engine.stats()["prefix_hit_tokens"] for engine in fleet.engines]
+        assert sum(hits) > 0  # the engines really reused the cached prefix
+
+
+class MetricsUpstream:
+    """A tiny engine: answers chat requests and serves vLLM metrics until told not to."""
+
+    def __init__(self) -> None:
+        self.metrics_up = True
+        self.requests = 0
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (message := await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        while (await receive()).get("more_body"):
+            pass
+        path, status, body = scope["path"], 200, b"{}"
+        if path == "/metrics":
+            status = 200 if self.metrics_up else 503
+            body = (b"vllm:num_requests_running{engine=\"0\"} 0\n"
+                    b"vllm:num_requests_waiting{engine=\"0\"} 0\n")
+        elif path == "/v1/models":
+            body = orjson.dumps({"object": "list", "data": [{"id": "m1", "object": "model"}]})
+        elif path == "/v1/chat/completions":
+            self.requests += 1
+            body = orjson.dumps({"id": "c", "object": "chat.completion", "model": "m1",
+                                 "choices": [{"index": 0, "finish_reason": "stop",
+                                              "message": {"role": "assistant", "content": "ok"}}]})
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+@pytest.mark.parametrize("policy", ["local", "exclude"])
+def test_endpoint_whose_metrics_stop_answering_follows_the_stale_policy(start_gateway, policy):
+    engines = [MetricsUpstream(), MetricsUpstream()]
+    with ServerThread(engines[0]) as a, ServerThread(engines[1]) as b:
+        app, server = start_gateway(gateway_config(
+            [a.url, b.url], routing={"scrape_interval": 0.1, "stale_policy": policy}))
+        body = {"model": "m1", "messages": [{"role": "user", "content": SYSTEM}]}
+
+        def route() -> str:
+            response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=10)
+            assert response.status_code == 200
+            return response.headers["x-kvgate-endpoint"]
+
+        home = route()
+        assert route() == home
+        home_index = [e.name for e in app.fleet.endpoints].index(home)
+        engines[home_index].metrics_up = False
+        endpoint = app.fleet.endpoints[home_index]
+        _wait(lambda: endpoint.stale)
+        expected = home if policy == "local" else app.fleet.endpoints[1 - home_index].name
+        assert {route() for _ in range(4)} == {expected}
+        metrics = httpx.get(server.url + "/metrics").text
+        assert f'kvgate_endpoint_telemetry_stale{{endpoint="{home}"}} 1.0' in metrics
+        assert "kvgate_prefix_index_memory_bytes" in metrics
+        engines[home_index].metrics_up = True
+        _wait(lambda: not endpoint.stale)
+        assert endpoint.routable
