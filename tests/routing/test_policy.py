@@ -24,7 +24,7 @@ def test_shipped_policies_load(name):
 @pytest.mark.parametrize("name", ["random", "round_robin", "least_loaded", "kvgate"])
 def test_builtin_policies(name):
     policy = builtin_policy(name)
-    assert policy.default.picker.NAME == ("max_score" if name == "kvgate" else name)
+    assert ("max_score" if name == "kvgate" else name) == policy.default.picker.NAME
     assert policy.uses_prefix == (name == "kvgate")
 
 
@@ -88,4 +88,4 @@ def test_rules_match_model_tier_class_and_headers():
     request.client_headers = [(b"x-team", b"search-eu")]
     profile, rule = policy.profile_for(request)
     assert (rule, profile.objective) == ("hdr", "cost")
-    assert [s.NAME for s, _ in profile.scorers][0] == "endpoint_cost"
+    assert next(s.NAME for s, _ in profile.scorers) == "endpoint_cost"

@@ -1,0 +1,547 @@
+"""Routing quality and decision cost: kvgate's default policy against random, round-robin and
+least-loaded, on fresh simulated fleets, side by side in one run.
+
+    .venv/bin/python benchmarks/routing.py                  # everything, writes RESULTS section
+    .venv/bin/python benchmarks/routing.py --micro          # decision-cost microbenchmark only
+    .venv/bin/python benchmarks/routing.py --workloads shared --rates 4,12 \\
+        --policies kvgate,round_robin
+
+For each workload x rate x policy: start a fresh simulated fleet (realistic profile, `--speed`)
+and a gateway whose pool uses that policy, replay the workload open-loop (latency measured from
+each request's intended send time), then read the engines' counters. Workloads:
+  shared   groups of prompts sharing a long system prompt (`--groups` x `--per-group`)
+  sessions multi-turn chats whose context grows turn by turn
+  mooncake the Mooncake synthetic trace (`--trace`): each hash_id becomes a fixed block of
+           synthetic text (`--block-chars`), so shared ids are shared text; lengths scaled down
+The ideal hit rate is what one engine with an infinite cache would reuse (prefix blocks seen
+before, in arrival order). Simulator lag (event-loop oversleep in the fleet process) is
+reported so a CPU-bound run shows itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import json
+import math
+import os
+import platform
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import tracemalloc
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+from services import PYTHON, free_port, gateway, stop, wait_ready
+
+BENCH_DIR = Path(__file__).resolve().parent
+DEFAULT_TRACE = Path("/work/shared/data/mooncake/synthetic_trace.jsonl")
+MODEL = "sim-model"
+POLICIES = ["random", "round_robin", "least_loaded", "kvgate"]
+_WORD_TEXT = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike "
+              "november oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee "
+              "zulu engine cache token prefix router stream window batch")
+WORDS = tuple(_WORD_TEXT.split())
+
+
+def words(rng: random.Random, tokens: int) -> str:
+    """About `tokens` simulator tokens of text (one word ≈ one token)."""
+    return " ".join(rng.choice(WORDS) for _ in range(tokens))
+
+
+@dataclass(slots=True)
+class Planned:
+    at: float  # seconds from the start
+    body: dict[str, Any]
+
+
+def _chat(messages: list[dict[str, str]], max_tokens: int, user: str | None = None
+          ) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": MODEL, "messages": messages, "stream": True,
+                            "max_tokens": max_tokens, "ignore_eos": True,
+                            "stream_options": {"include_usage": True}}
+    if user:
+        body["user"] = user
+    return body
+
+
+def shared_prefix(rate: float, args: argparse.Namespace) -> list[Planned]:
+    rng = random.Random(1)
+    systems = [words(rng, args.system_tokens) for _ in range(args.groups)]
+    order = [(g, i) for g in range(args.groups) for i in range(args.per_group)]
+    rng.shuffle(order)
+    arrivals = _poisson(len(order), rate, rng)
+    return [Planned(t, _chat([{"role": "system", "content": systems[g]},
+                              {"role": "user", "content": f"{i}: " + words(rng, 128)}],
+                             args.output_tokens))
+            for t, (g, i) in zip(arrivals, order, strict=True)]
+
+
+def sessions(rate: float, args: argparse.Namespace) -> list[Planned]:
+    rng = random.Random(2)
+    turns, gap = args.turns, args.turn_gap
+    count = max(1, round(args.requests / turns))
+    starts = _poisson(count, rate / turns, rng)
+    plans = []
+    for s, start in enumerate(starts):
+        history = [{"role": "system", "content": words(rng, 512)}]
+        for t in range(turns):
+            history = [*history, {"role": "user", "content": words(rng, 96)}]
+            plans.append(Planned(start + t * gap, _chat(list(history), args.output_tokens,
+                                                        user=f"session-{s}")))
+            history.append({"role": "assistant", "content": words(rng, args.output_tokens)})
+    return sorted(plans, key=lambda p: p.at)
+
+
+def mooncake(rate: float, args: argparse.Namespace) -> list[Planned]:
+    lines = args.trace.read_text().splitlines()[: args.requests]
+    rows = [json.loads(line) for line in lines]
+    blocks: dict[int, str] = {}
+
+    def block(hash_id: int) -> str:
+        if hash_id not in blocks:
+            blocks[hash_id] = words(random.Random(hash_id), args.block_chars // 5)
+        return blocks[hash_id]
+
+    span = max(1.0, (rows[-1]["timestamp"] - rows[0]["timestamp"]) / 1000)
+    scale = (len(rows) / rate) / span
+    plans = []
+    for row in rows:
+        text = " ".join(block(h) for h in row["hash_ids"])
+        output = max(1, min(args.output_tokens, row["output_length"] // 16))
+        plans.append(Planned((row["timestamp"] - rows[0]["timestamp"]) / 1000 * scale,
+                             _chat([{"role": "user", "content": text}], output)))
+    return plans
+
+
+WORKLOADS = {"shared": shared_prefix, "sessions": sessions, "mooncake": mooncake}
+
+
+def _poisson(count: int, rate: float, rng: random.Random) -> list[float]:
+    t, out = 0.0, []
+    for _ in range(count):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+def ideal_hit_rate(plans: list[Planned], block_chars: int = 64) -> float:
+    """Fraction of prompt text a single engine with an infinite cache would reuse."""
+    from gateway.routing.prefix_index import PrefixHasher
+    from gateway.routing.prompt_text import prompt_text
+
+    hasher = PrefixHasher(block_chars, max_blocks=1_000_000)
+    seen: set[int] = set()
+    reused = total = 0
+    for plan in plans:
+        text = prompt_text(plan.body)
+        hashes = hasher.hashes(text, MODEL)
+        depth = 0
+        while depth < len(hashes) and hashes[depth] in seen:
+            depth += 1
+        reused += depth * block_chars
+        total += len(text.encode())
+        seen.update(hashes)
+    return reused / total if total else 0.0
+
+
+# --- processes -----------------------------------------------------------------------------
+
+def serve_sim(args: argparse.Namespace) -> None:
+    """Child process: a simulated fleet plus an event-loop lag probe written at exit."""
+    from gateway.sim import EngineOptions, SimFleet
+
+    async def main() -> list[float]:
+        options = EngineOptions(profile="realistic", speed=args.speed, kv_blocks=args.kv_blocks,
+                                max_num_seqs=args.max_num_seqs)
+        done = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, done.set)
+        lags: list[float] = []
+        async with SimFleet(args.engines, 0, options) as fleet:
+            print(" ".join(fleet.urls), flush=True)
+            while not done.is_set():
+                before = loop.time()
+                await asyncio.sleep(0.02)
+                lags.append(loop.time() - before - 0.02)
+        return lags
+
+    import uvloop
+    lags = sorted(uvloop.run(main()))
+    Path(args.lag_file).write_text(json.dumps({
+        "p50_ms": 1000 * lags[len(lags) // 2] if lags else 0,
+        "p99_ms": 1000 * lags[int(len(lags) * 0.99)] if lags else 0}))
+
+
+@contextlib.contextmanager
+def sim_fleet(args: argparse.Namespace, lag_file: Path) -> Iterator[list[str]]:
+    proc = subprocess.Popen([PYTHON, __file__, "--serve-sim", "--engines", str(args.engines),
+                             "--speed", str(args.speed), "--kv-blocks", str(args.kv_blocks),
+                             "--max-num-seqs", str(args.max_num_seqs),
+                             "--lag-file", str(lag_file)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        urls = proc.stdout.readline().split()
+        if len(urls) != args.engines:
+            raise RuntimeError("the simulated fleet did not start")
+        for url in urls:
+            wait_ready(proc, int(url.rsplit(":", 1)[1]), "/health")
+        yield urls
+    finally:
+        stop(proc)
+
+
+def gateway_yaml(port: int, urls: list[str], policy: str) -> str:
+    endpoints = ", ".join(f'{{url: "{u}"}}' for u in urls)
+    return (f"server: {{host: 127.0.0.1, port: {port}, access_log: false}}\n"
+            "auth: none\n"
+            f"pools:\n  - {{name: sim, engine: vllm, models: [{MODEL}], policy: {policy}, "
+            f"endpoints: [{endpoints}]}}\n")
+
+
+# --- replay ----------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class Result:
+    ttft: float | None = None
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    endpoint: str = ""
+    error: str = ""
+
+
+async def replay(url: str, plans: list[Planned]) -> tuple[list[Result], float]:
+    limits = httpx.Limits(max_connections=4096, max_keepalive_connections=4096)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=300) as client:
+        loop = asyncio.get_running_loop()
+        start = loop.time() + 0.2
+
+        async def one(plan: Planned) -> Result:
+            await asyncio.sleep(max(0.0, start + plan.at - loop.time()))
+            intended = start + plan.at
+            result = Result()
+            try:
+                async with client.stream("POST", "/v1/chat/completions",
+                                         json=plan.body) as response:
+                    result.endpoint = response.headers.get("x-kvgate-endpoint", "")
+                    if response.status_code != 200:
+                        result.error = f"http {response.status_code}"
+                        await response.aread()
+                        return result
+                    async for line in response.aiter_lines():
+                        if not line.startswith("data: {"):
+                            continue
+                        event = orjson.loads(line[6:])
+                        choices = event.get("choices") or [{}]
+                        # The first token, not the role-only event some engines send first.
+                        if result.ttft is None and (choices[0].get("delta") or {}).get(
+                                "content"):
+                            result.ttft = loop.time() - intended
+                        usage = event.get("usage")
+                        if usage:
+                            result.output_tokens = usage.get("completion_tokens", 0)
+                            result.prompt_tokens = usage.get("prompt_tokens", 0)
+                            details = usage.get("prompt_tokens_details") or {}
+                            result.cached_tokens = details.get("cached_tokens") or 0
+            except httpx.HTTPError as exc:
+                result.error = type(exc).__name__
+            return result
+
+        results = await asyncio.gather(*(one(p) for p in plans))
+        return list(results), loop.time() - start
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+@dataclass
+class Row:
+    workload: str
+    rate: float
+    policy: str
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def run_one(args: argparse.Namespace, workload: str, rate: float, policy: str,
+            plans: list[Planned]) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        lag_file = Path(tmp) / "lag.json"
+        with sim_fleet(args, lag_file) as urls:
+            port = free_port()
+            config = Path(tmp) / "gateway.yaml"
+            config.write_text(gateway_yaml(port, urls, policy))
+            with gateway(config, port):
+                results, elapsed = asyncio.run(replay(f"http://127.0.0.1:{port}", plans))
+            engine_stats = [httpx.get(u + "/sim/stats").json() for u in urls]
+        lag = json.loads(lag_file.read_text()) if lag_file.exists() else {}
+    ok = [r for r in results if not r.error and r.ttft is not None]
+    ttfts = [r.ttft for r in ok if r.ttft is not None]
+    per_engine = Counter(r.endpoint for r in results)
+    loads = [per_engine.get(f"sim-{i}", 0) for i in range(args.engines)]
+    hits = sum(s["prefix_hit_tokens"] for s in engine_stats)
+    queries = sum(s["prefix_queries"] for s in engine_stats)
+    prompt = sum(r.prompt_tokens for r in ok)
+    return {
+        "requests": len(results), "failed": len(results) - len(ok),
+        "ttft_p50": _percentile(ttfts, 0.5), "ttft_p90": _percentile(ttfts, 0.9),
+        "ttft_p99": _percentile(ttfts, 0.99),
+        "output_tok_s": sum(r.output_tokens for r in ok) / elapsed,
+        "hit_engine": hits / queries if queries else 0.0,
+        "hit_cached_tokens": sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
+        "max_over_mean_load": max(loads) / statistics.mean(loads) if any(loads) else math.nan,
+        "loads": loads, "sim_lag_p99_ms": lag.get("p99_ms", math.nan), "elapsed": elapsed,
+    }
+
+
+# --- microbenchmark ------------------------------------------------------------------------
+
+def micro() -> dict[str, Any]:
+    from gateway.routing.endpoints import Endpoint, Fleet, Pool
+    from gateway.routing.picker import PolicyPicker, RoutingServices
+    from gateway.routing.policy import builtin_policy
+    from gateway.routing.prefix_index import EndpointBlocks, PrefixHasher
+    from gateway.routing.settings import RoutingConfig
+    from gateway.types import RequestContext
+
+    rng = random.Random(3)
+    out: dict[str, Any] = {}
+    text_32k = words(rng, 32_000)[: 128_000]
+    for label, hasher in (("hash_32k_tokens_default_cap_us", PrefixHasher()),
+                          ("hash_32k_tokens_uncapped_us", PrefixHasher(64, 2048))):
+        samples = []
+        for _ in range(300):
+            t = time.perf_counter()
+            hasher.hashes(text_32k, MODEL, "salt")
+            samples.append((time.perf_counter() - t) * 1e6)
+        out[label] = {"p50": _percentile(samples, 0.5), "p99": _percentile(samples, 0.99)}
+
+    endpoints = [Endpoint(name=f"e{i}", url=f"http://e{i}", pool="p", engine="vllm",
+                          configured_models=frozenset({MODEL})) for i in range(64)]
+    fleet = Fleet([Pool("p", "vllm", "kvgate", endpoints)])
+    services = RoutingServices.from_config(RoutingConfig())
+    picker = PolicyPicker(fleet, "p", builtin_policy("kvgate"), services)
+    systems = [words(rng, 6_000) for _ in range(32)]
+
+    def ctx(text: str) -> RequestContext:
+        payload = {"model": MODEL, "messages": [{"role": "user", "content": text}]}
+        return RequestContext(request_id="b", route="chat", upstream_path="/", client_headers=[],
+                              body=b"", payload=payload, model=MODEL, stream=True)
+
+    for i in range(2000):  # warm the index: 32 system prompts spread over the fleet
+        picker.choose(ctx(systems[i % 32] + words(rng, 2000)))
+    samples = []
+    for i in range(3000):
+        request = ctx(systems[i % 32] + f" {i} " + words(rng, 2000))  # ≈ 8k tokens
+        t = time.perf_counter()
+        picker.choose(request)
+        samples.append((time.perf_counter() - t) * 1e6)
+    out["decision_8k_tokens_64_endpoints_us"] = {"p50": _percentile(samples, 0.5),
+                                                 "p99": _percentile(samples, 0.99)}
+    tracemalloc.start()
+    blocks = EndpointBlocks(capacity=200_000, ttl=600)
+    before = tracemalloc.get_traced_memory()[0]
+    blocks.record([rng.getrandbits(64) for _ in range(100_000)], now=0.0)
+    after = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    out["index_bytes_per_entry"] = (after - before) / 100_000
+    out["index_entries_total_after_warmup"] = services.index.entries()
+    out["index_memory_bytes_reported"] = services.index.memory_bytes
+    return out
+
+
+# --- report ----------------------------------------------------------------------------------
+
+def _fmt(value: float, digits: int = 2) -> str:
+    return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else \
+        f"{value:.{digits}f}"
+
+
+def table(rows: list[Row], ideal: dict[str, float]) -> str:
+    head = ("| workload | rate (req/s) | policy | n | failed | TTFT p50 s | TTFT p90 s "
+            "| TTFT p99 s | output tok/s | hit (engine) | hit (cached_tokens) | ideal hit "
+            "| max/mean load | sim lag p99 ms |")
+    lines = [head, "|" + "---|" * 14]
+    for row in rows:
+        s = row.stats
+        lines.append(
+            f"| {row.workload} | {row.rate:g} | {row.policy} | {s['requests']} | {s['failed']} "
+            f"| {_fmt(s['ttft_p50'])} | {_fmt(s['ttft_p90'])} | {_fmt(s['ttft_p99'])} "
+            f"| {_fmt(s['output_tok_s'], 0)} | {_fmt(s['hit_engine'])} "
+            f"| {_fmt(s['hit_cached_tokens'])} | {_fmt(ideal[row.workload])} "
+            f"| {_fmt(s['max_over_mean_load'])} | {_fmt(s['sim_lag_p99_ms'], 0)} |")
+    return "\n".join(lines)
+
+
+def targets(rows: list[Row], ideal: dict[str, float]) -> str:
+    """The issue's targets, checked per workload."""
+    out = []
+    for workload in dict.fromkeys(r.workload for r in rows):
+        mine = [r for r in rows if r.workload == workload]
+        by = {(r.policy, r.rate): r.stats for r in mine}
+        rates = sorted({r.rate for r in mine})
+        low = rates[0]
+        if ("round_robin", low) not in by or ("kvgate", low) not in by:
+            continue
+        rr_unloaded = by[("round_robin", low)]["ttft_p90"]
+        loaded = [rate for rate in rates if by.get(("round_robin", rate), {}).get(
+            "ttft_p90", 0) >= 5 * rr_unloaded]
+        kv = by[("kvgate", low)]
+        best_p50 = min(by[(p, low)]["ttft_p50"] for p in POLICIES if (p, low) in by)
+        out.append(f"- **{workload}**: low-load TTFT p50 kvgate {kv['ttft_p50']:.3f} s vs best "
+                   f"{best_p50:.3f} s → {'holds' if kv['ttft_p50'] <= 1.1 * best_p50 else 'misses'}"
+                   " (within 10%)")
+        if not loaded:
+            out.append(f"  - no rate reached round-robin TTFT p90 ≥ 5x unloaded "
+                       f"({rr_unloaded:.3f} s): load targets not exercised at these rates")
+        for rate in loaded:
+            k, rr = by[("kvgate", rate)], by[("round_robin", rate)]
+            ll = by.get(("least_loaded", rate))
+            checks = [f"p90 kvgate {k['ttft_p90']:.2f} s vs round-robin {rr['ttft_p90']:.2f} s "
+                      f"({'holds' if k['ttft_p90'] <= rr['ttft_p90'] / 3 else 'misses'} ≤ 1/3)"]
+            if ll:
+                checks.append(f"vs least-loaded {ll['ttft_p90']:.2f} s "
+                              f"({'holds' if k['ttft_p90'] <= ll['ttft_p90'] / 2 else 'misses'}"
+                              " ≤ 1/2)")
+            ratio = k["hit_engine"] / ideal[workload] if ideal[workload] else math.nan
+            checks.append(f"hit rate {k['hit_engine']:.2f} = {ratio:.0%} of ideal "
+                          f"({'holds' if ratio >= 0.8 else 'misses'} ≥ 80%)")
+            checks.append(f"max/mean load {k['max_over_mean_load']:.2f} "
+                          f"({'holds' if k['max_over_mean_load'] <= 2 else 'misses'} ≤ 2)")
+            out.append(f"  - at {rate:g} req/s: " + "; ".join(checks))
+    return "\n".join(out)
+
+
+def plot(rows: list[Row], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    workloads = list(dict.fromkeys(r.workload for r in rows))
+    fig, axes = plt.subplots(2, len(workloads), figsize=(5 * len(workloads), 8), squeeze=False)
+    for col, workload in enumerate(workloads):
+        for policy in POLICIES:
+            mine = sorted((r for r in rows if r.workload == workload and r.policy == policy),
+                          key=lambda r: r.rate)
+            if not mine:
+                continue
+            axes[0][col].plot([r.rate for r in mine], [r.stats["ttft_p90"] for r in mine],
+                              marker="o", label=policy)
+            axes[1][col].plot([r.rate for r in mine], [r.stats["hit_engine"] for r in mine],
+                              marker="o", label=policy)
+        axes[0][col].set_title(f"{workload}: TTFT p90 (s)")
+        axes[0][col].set_yscale("log")
+        axes[1][col].set_title(f"{workload}: prefix hit rate (engine)")
+        axes[1][col].set_xlabel("request rate (req/s)")
+        axes[0][col].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text()
+                .splitlines() if line.startswith("model name")), platform.processor())
+    return f"{os.cpu_count()} cores ({cpu}), Python {platform.python_version()}"
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workloads", default="shared,sessions,mooncake")
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--rates", default="2,6,10", help="req/s, comma separated")
+    p.add_argument("--engines", type=int, default=4)
+    p.add_argument("--speed", type=float, default=1.0)
+    p.add_argument("--kv-blocks", type=int, default=700, help="per engine, 16 tokens each")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--groups", type=int, default=8)
+    p.add_argument("--per-group", type=int, default=12)
+    p.add_argument("--system-tokens", type=int, default=2048)
+    p.add_argument("--output-tokens", type=int, default=32)
+    p.add_argument("--requests", type=int, default=96, help="sessions and mooncake")
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--turn-gap", type=float, default=3.0)
+    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    p.add_argument("--block-chars", type=int, default=160,
+                   help="text per Mooncake hash_id (512 tokens scaled to ~32)")
+    p.add_argument("--micro", action="store_true", help="decision-cost microbenchmark only")
+    p.add_argument("--out", type=Path, default=BENCH_DIR / "routing")
+    p.add_argument("--no-results", action="store_true", help="do not append to RESULTS.md")
+    p.add_argument("--serve-sim", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--lag-file", default="", help=argparse.SUPPRESS)
+    return p.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    if args.serve_sim:
+        serve_sim(args)
+        return 0
+    micro_out = micro()
+    print(json.dumps(micro_out, indent=1), flush=True)
+    rows: list[Row] = []
+    ideal: dict[str, float] = {}
+    if not args.micro:
+        rates = [float(r) for r in args.rates.split(",")]
+        for workload in args.workloads.split(","):
+            if workload == "mooncake" and not args.trace.exists():
+                print(f"skipping mooncake: {args.trace} not found", flush=True)
+                continue
+            for rate in rates:
+                plans = WORKLOADS[workload](rate, args)
+                ideal[workload] = ideal_hit_rate(plans)
+                for policy in args.policies.split(","):
+                    row = Row(workload, rate, policy, run_one(args, workload, rate, policy, plans))
+                    rows.append(row)
+                    s = row.stats
+                    print(f"{workload} {rate:g} req/s {policy}: p50 {s['ttft_p50']:.3f} "
+                          f"p90 {s['ttft_p90']:.3f} hit {s['hit_engine']:.2f} "
+                          f"loads {s['loads']} failed {s['failed']} "
+                          f"lag p99 {s['sim_lag_p99_ms']:.0f} ms", flush=True)
+    command = "python benchmarks/routing.py " + " ".join(sys.argv[1:])
+    section = [f"## Routing quality and decision cost ({datetime.date.today()})", "",
+               f"Machine: {machine()}. Command: `{command}`", "",
+               "Decision cost (µs): " + ", ".join(
+                   f"{k} p50 {v['p50']:.0f} / p99 {v['p99']:.0f}" for k, v in micro_out.items()
+                   if isinstance(v, dict))
+               + f"; prefix index ≈ {micro_out['index_bytes_per_entry']:.0f} B per entry.", ""]
+    if rows:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        png = args.out.with_suffix(".png")
+        plotted = plot(rows, png)
+        section += [f"{args.engines} engines, speed {args.speed}, {args.kv_blocks} KV blocks "
+                    f"each, max_num_seqs {args.max_num_seqs}, {args.output_tokens} output "
+                    "tokens.", "", table(rows, ideal), "", "Targets:", "",
+                    targets(rows, ideal), ""]
+        if plotted:
+            section += [f"![routing]({png.name})", ""]
+    text = "\n".join(section)
+    print(text)
+    if not args.no_results:
+        with (BENCH_DIR / "RESULTS.md").open("a") as results:
+            results.write("\n" + text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""Three gateway processes, one Redis, one simulated fleet: they behave as one gateway."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from gateway.sim import EngineOptions, SimFleet
+from tests.redis_server import RedisServer
+from tests.test_cli import _free_port, _stop, _wait_ready
+
+pytestmark = pytest.mark.timeout(180)
+
+SECRET = "s3cret-for-tests"
+KEY = f"load-1.{SECRET}"
+
+
+def _config(path: Path, urls: list[str], port: int, redis_url: str | None,
+            rpm: int | None = None) -> Path:
+    tenant: dict[str, object] = {
+        "name": "load", "tier": "gold",
+        "keys": [{"id": "load-1", "sha256": hashlib.sha256(SECRET.encode()).hexdigest()}]}
+    if rpm is not None:
+        tenant["limits"] = {"requests_per_minute": rpm}
+    config: dict[str, object] = {
+        "server": {"host": "127.0.0.1", "port": port, "access_log": False},
+        "auth": {"tenants": [tenant]},
+        "pools": [{"name": "sim", "engine": "vllm", "models": ["sim-model"],
+                   "endpoints": [{"url": u} for u in urls]}],
+    }
+    if redis_url is not None:
+        config["state"] = {"backend": "redis", "url": redis_url, "heartbeat_interval": 0.2,
+                           "op_timeout": 0.5}
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+class Gateways:
+    """`count` kvgate processes over the same fleet, each on its own port."""
+
+    def __init__(self, tmp: Path, urls: list[str], count: int, redis_url: str | None,
+                 rpm: int | None = None) -> None:
+        self.bases: list[str] = []
+        self.procs: list[subprocess.Popen[bytes]] = []
+        for i in range(count):
+            port = _free_port()
+            config = _config(tmp / f"gw{i}.yaml", urls, port, redis_url, rpm)
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config),
+                 "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+            self.bases.append(f"http://127.0.0.1:{port}")
+        for base, proc in zip(self.bases, self.procs, strict=True):
+            _wait_ready(base, proc)
+
+    def clients(self) -> list[openai.OpenAI]:
+        return [openai.OpenAI(base_url=b + "/v1", api_key=KEY, max_retries=0)
+                for b in self.bases]
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            _stop(proc)
+
+
+@pytest.fixture
+def redis() -> Iterator[RedisServer]:
+    server = RedisServer().start()
+    yield server
+    server.stop()
+
+
+def _shared_prefix_hit_rate(clients: list[openai.OpenAI]) -> float:
+    """8 groups x 6 prompts sharing a long system prompt, sent in turn to every gateway."""
+    prompt_tokens = cached = 0
+    turn = 0
+    for question in range(6):
+        for group in range(8):
+            system = f"You are assistant number {group}. " + f"Rule {group}: be precise. " * 120
+            answer = clients[turn % len(clients)].chat.completions.create(
+                model="sim-model", max_tokens=4,
+                messages=[{"role": "system", "content": system},
+                          {"role": "user", "content": f"Question {question} for {group}?"}])
+            turn += 1
+            assert answer.usage is not None
+            prompt_tokens += answer.usage.prompt_tokens
+            details = answer.usage.prompt_tokens_details
+            cached += (details.cached_tokens or 0) if details else 0
+    return cached / prompt_tokens
+
+
+def _fleet() -> SimFleet:
+    return SimFleet.in_thread(engines=4, options=EngineOptions(profile="realistic", speed=50,
+                                                              kv_blocks=2000))
+
+
+def test_three_replicas_keep_the_prefix_hit_rate_of_one(tmp_path, redis):
+    with _fleet() as fleet:
+        single = Gateways(tmp_path, list(fleet.urls), 1, None)
+        try:
+            one = _shared_prefix_hit_rate(single.clients())
+        finally:
+            single.stop()
+    with _fleet() as fleet:
+        three = Gateways(tmp_path, list(fleet.urls), 3, redis.url)
+        try:
+            shared = _shared_prefix_hit_rate(three.clients())
+        finally:
+            three.stop()
+    assert one > 0.5
+    assert shared >= 0.95 * one
+
+
+def test_quota_is_exact_across_three_replicas(tmp_path, redis):
+    rpm = 30
+    with _fleet() as fleet:
+        gateways = Gateways(tmp_path, list(fleet.urls), 3, redis.url, rpm=rpm)
+        try:
+            started = time.monotonic()
+            statuses: list[int] = []
+
+            def call(i: int) -> int:
+                return httpx.post(
+                    gateways.bases[i % 3] + "/v1/chat/completions", timeout=30,
+                    headers={"authorization": f"Bearer {KEY}"},
+                    json={"model": "sim-model", "max_tokens": 2,
+                          "messages": [{"role": "user", "content": "hi"}]}).status_code
+
+            with concurrent.futures.ThreadPoolExecutor(12) as pool:
+                statuses = list(pool.map(call, range(90)))
+            elapsed = time.monotonic() - started
+        finally:
+            gateways.stop()
+    accepted = statuses.count(200)
+    assert set(statuses) <= {200, 429}
+    assert rpm <= accepted <= (rpm + rpm / 60 * elapsed) * 1.01
+
+
+def test_killing_redis_under_load_fails_no_request(tmp_path, redis):
+    with _fleet() as fleet:
+        gateways = Gateways(tmp_path, list(fleet.urls), 3, redis.url)
+        try:
+            clients = gateways.clients()
+
+            def call(i: int) -> str:
+                reply = clients[i % 3].chat.completions.create(
+                    model="sim-model", max_tokens=4,
+                    messages=[{"role": "user", "content": f"request {i % 7}"}])
+                return reply.choices[0].finish_reason or ""
+
+            with concurrent.futures.ThreadPoolExecutor(6) as pool:
+                pending = [pool.submit(call, i) for i in range(60)]
+                time.sleep(0.5)
+                redis.stop()
+                time.sleep(1.5)
+                redis.start()
+                pending += [pool.submit(call, i) for i in range(60, 120)]
+                results = [f.result(timeout=60) for f in pending]
+            assert len(results) == 120
+            for base in gateways.bases:
+                assert httpx.get(base + "/readyz").status_code == 200
+        finally:
+            gateways.stop()
