@@ -37,6 +37,7 @@ from gateway.upstream.client import build_upstream_client
 from gateway.upstream.headers import request_id_from
 from gateway.upstream.relay import Forwarder
 from gateway.upstream.resilience import Resilience
+from gateway.upstream.transport import UpstreamTransport
 
 log = logging.getLogger("kvgate")
 
@@ -59,7 +60,9 @@ class GatewayApp:
         self.admission = AdmissionController(self.fleet, InMemoryQuotaStore(), self.classifier,
                                              config.admission, self.metrics)
         self.admin = AdminRoutes(self.tenants, self.classifier, self.admission)
+        # httpx for the control plane (health, discovery, telemetry); aiohttp for the data path.
         self.client = build_upstream_client(config.upstream, config.timeouts)
+        self.transport = UpstreamTransport(config.upstream, config.timeouts.connect)
         # Breakers on every endpoint, retry budgets and throttles per pool (docs/resilience.md).
         self.resilience = Resilience(config, self.fleet, ResilienceMetrics(self.metrics.registry))
         self.metrics.registry.register(BreakerStateCollector(self.resilience))
@@ -74,7 +77,7 @@ class GatewayApp:
                 AdmissionStage(self.admission),     # 429 quotas; waits or 503 when saturated
                 PickStage(self.picker),
             ],
-            forward=Forwarder(self.client, config.timeouts,
+            forward=Forwarder(self.transport, config.timeouts,
                               config.upstream.max_error_body_bytes,
                               self.resilience, picker=self.picker),
             settle=self._settle,
@@ -110,6 +113,7 @@ class GatewayApp:
         await self.telemetry.stop()
         await self.health.stop()
         await self.client.aclose()
+        await self.transport.aclose()
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:

@@ -22,9 +22,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import orjson
 
 from gateway.asgi import Send, send_bytes
@@ -50,6 +50,13 @@ from gateway.upstream.resilience import AttemptRecord, Resilience
 from gateway.upstream.resume import StreamTranscript, continuation_body, resume_eligible
 from gateway.upstream.retry_budget import RetryBudget
 from gateway.upstream.sse import SseProtocolError, SseScanner
+from gateway.upstream.transport import (
+    ConnectFailed,
+    ConnectTimeout,
+    TransportError,
+    UpstreamResponse,
+    UpstreamTransport,
+)
 
 _FIRST_EVENT_LIMIT = 1024 * 1024
 _DONE = b"data: [DONE]\n\n"
@@ -67,7 +74,7 @@ class _Throttled(Exception):
     """The pool's client-side throttle rejected the attempt before it was sent."""
 
 
-def _retry_after(response: httpx.Response) -> float | None:
+def _retry_after(response: UpstreamResponse) -> float | None:
     value = response.headers.get("retry-after")
     if value is None:
         return None
@@ -81,15 +88,14 @@ class Forwarder:
     """Sends `ctx` to `ctx.endpoint` (and, on retriable failures, to others chosen by
     `picker`) and relays the answer to the client through `send`."""
 
-    def __init__(self, client: httpx.AsyncClient, timeouts: TimeoutsConfig,
+    def __init__(self, transport: UpstreamTransport, timeouts: TimeoutsConfig,
                  max_error_body_bytes: int, resilience: Resilience,
                  picker: EndpointPicker | None = None) -> None:
-        self.client = client
+        self.transport = transport
         self.timeouts = timeouts
         self.max_error_body_bytes = max_error_body_bytes
         self.resilience = resilience
         self.picker = picker
-        self._connect_timeout = httpx.Timeout(timeouts.connect, read=None)
 
     async def __call__(self, ctx: RequestContext, send: Send) -> None:
         assert ctx.endpoint is not None
@@ -239,11 +245,10 @@ class Forwarder:
         record = self.resilience.begin(endpoint)
         if record is None:
             raise _Throttled
-        headers = upstream_headers(ctx.client_headers, ctx.request_id, endpoint.auth_header)
-        timeout = (self._connect_timeout if limits.connect == self.timeouts.connect
-                   else httpx.Timeout(limits.connect, read=None))
-        request = self.client.build_request("POST", endpoint.url + ctx.upstream_path,
-                                            content=body, headers=headers, timeout=timeout)
+        request = _Request(endpoint.url + ctx.upstream_path,
+                           upstream_headers(ctx.client_headers, ctx.request_id,
+                                            endpoint.auth_header),
+                           body, limits.connect)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + limits.remaining()
         first_token = limits.first_token
@@ -269,71 +274,65 @@ class Forwarder:
             record.abandoned()  # no-op unless the attempt ended without a verdict
             endpoint.end_attempt(ctx)
 
-    async def _open(self, request: httpx.Request, until: float, phase: str) -> httpx.Response:
+    async def _open(self, request: _Request, until: float, phase: str) -> UpstreamResponse:
         try:
             async with asyncio.timeout_at(until):
-                return await self.client.send(request, stream=True)
+                return await self.transport.open(request.url, request.headers, request.body,
+                                                 request.connect_timeout)
         except TimeoutError:
             raise _timeout(phase) from None
-        except httpx.ConnectTimeout:
+        except ConnectTimeout:
             raise UpstreamTimeout("timed out connecting to the engine",
                                   code="upstream_connect_timeout") from None
-        except httpx.PoolTimeout:
-            raise Overloaded("no upstream connection became free in time",
-                             code="upstream_pool_exhausted", retry_after=1) from None
-        except httpx.ConnectError:
+        except ConnectFailed:
             raise UpstreamUnavailable("could not connect to the engine",
                                       code="upstream_connect_failed") from None
-        except httpx.HTTPError as exc:
+        except TransportError as exc:
             raise UpstreamUnavailable(
-                f"the engine closed the connection before answering ({type(exc).__name__})",
+                f"the engine closed the connection before answering ({exc})",
                 code="upstream_connection_lost") from None
 
-    async def _error_from(self, response: httpx.Response) -> KvgateError:
-        body = b""
+    async def _error_from(self, response: UpstreamResponse) -> KvgateError:
         try:
-            async for chunk in response.aiter_raw():
-                body += chunk
-                if len(body) >= self.max_error_body_bytes:
-                    break
-        except httpx.HTTPError:
-            pass
-        return upstream_error_from_body(response.status_code, body, _retry_after(response))
+            body = await response.read(self.max_error_body_bytes)
+        except TransportError:
+            body = b""
+        return upstream_error_from_body(response.status, body, _retry_after(response))
 
-    async def _relay_unary(self, ctx: RequestContext, request: httpx.Request, send: Send,
+    async def _relay_unary(self, ctx: RequestContext, request: _Request, send: Send,
                            deadline: float) -> None:
         response = await self._open(request, deadline, "total")
         try:
-            if response.status_code >= 400:
+            if response.status >= 400:
                 raise await self._error_from(response)
             try:
                 async with asyncio.timeout_at(deadline):
-                    body = await response.aread()
+                    body = await response.read()
             except TimeoutError:
                 raise _timeout("total") from None
-            except httpx.HTTPError as exc:
+            except TransportError as exc:
                 raise UpstreamUnavailable(
-                    f"the engine connection broke while answering ({type(exc).__name__})",
+                    f"the engine connection broke while answering ({exc})",
                     code="upstream_connection_lost") from None
             content_type = response.headers.get("content-type", "application/json")
             if content_type.startswith("application/json") and not _looks_like_json(body):
                 raise UpstreamProtocolError("the engine's answer is not a complete JSON object",
                                             code="upstream_malformed_body")
-            ctx.status = response.status_code
+            ctx.status = response.status
             ctx.usage = _answer_usage(body)
             ctx.responded = True
-            await send_bytes(send, response.status_code, body, content_type.encode(),
+            await send_bytes(send, response.status, body, content_type.encode(),
                              _response_headers(ctx))
         finally:
-            await response.aclose()
+            response.close()
 
     async def _relay_stream(self, ctx: RequestContext, endpoint: Endpoint,
-                            request: httpx.Request, send: Send, deadline: float,
+                            request: _Request, send: Send, deadline: float,
                             first_token_until: float, stall: float, record: AttemptRecord,
                             transcript: StreamTranscript | None) -> None:
         response = await self._open(request, first_token_until, "first_token")
         try:
-            if response.status_code != 200:
+            if response.status != 200:
                 raise await self._error_from(response)
             content_type = response.headers.get("content-type", "")
             if not content_type.startswith("text/event-stream"):
@@ -344,15 +343,15 @@ class Forwarder:
             await self._relay_events(ctx, endpoint, response, send, deadline, first_token_until,
                                      stall, record, transcript)
         finally:
-            await response.aclose()
+            response.close()
 
     async def _relay_events(self, ctx: RequestContext, endpoint: Endpoint,
-                            response: httpx.Response, send: Send, deadline: float,
+                            response: UpstreamResponse, send: Send, deadline: float,
                             first_token_until: float, stall: float, record: AttemptRecord,
                             transcript: StreamTranscript | None) -> None:
         loop = asyncio.get_running_loop()
         scanner = SseScanner()
-        chunks: AsyncIterator[bytes] = response.aiter_raw()
+        chunks: AsyncIterator[bytes] = response.iter_raw()
         phase = "first_token"
         error: KvgateError
         try:
@@ -394,10 +393,9 @@ class Forwarder:
                                         code="upstream_stream_truncated")
         except SseProtocolError as exc:
             error = UpstreamProtocolError(str(exc), code="upstream_malformed_event")
-        except httpx.HTTPError as exc:
-            error = UpstreamUnavailable(
-                f"the engine connection broke mid-stream ({type(exc).__name__})",
-                code="upstream_connection_lost")
+        except TransportError as exc:
+            error = UpstreamUnavailable(f"the engine connection broke mid-stream ({exc})",
+                                        code="upstream_connection_lost")
         else:
             ctx.relayed_events += scanner.data_events
             ctx.usage = scanner.usage
@@ -426,6 +424,14 @@ class Forwarder:
         ctx.first_token_at = time.perf_counter()
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": first, "more_body": True})
+
+
+@dataclass(frozen=True, slots=True)
+class _Request:
+    url: str
+    headers: Headers
+    body: bytes
+    connect_timeout: float
 
 
 async def _send_body(send: Send, body: bytes) -> None:

@@ -1,9 +1,9 @@
 """The data-path HTTP client: one pooled aiohttp session per process, its errors translated here.
 
 Why aiohttp and not httpx on this path: measured on the 2-core CI machine, httpx/httpcore spent
-1.2–3.1 ms of CPU per proxied request (pure-Python h11 parsing, anyio layers, and a connection
+1.2 to 3.1 ms of CPU per proxied request (pure-Python h11 parsing, anyio layers, and a connection
 pool whose assignment step walks every connection with a poll() per idle one), so one gateway
-core saturated near 300 req/s; aiohttp (C HTTP parser, plain asyncio) spent 0.2–0.4 ms on the
+core saturated near 300 req/s; aiohttp (C HTTP parser, plain asyncio) spent 0.2 to 0.4 ms on the
 same requests. httpx stays for the control plane (health checks, discovery, telemetry).
 
     TransportError                the engine could not be reached or the connection broke
@@ -14,7 +14,6 @@ same requests. httpx stays for the control plane (health checks, discovery, tele
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Mapping
 
 import aiohttp
@@ -42,7 +41,7 @@ class ConnectionLost(TransportError):
 def _translate(exc: BaseException) -> TransportError:
     if isinstance(exc, aiohttp.ClientConnectorError):
         return ConnectFailed(str(exc))
-    if isinstance(exc, asyncio.TimeoutError):
+    if isinstance(exc, TimeoutError):
         return ConnectTimeout("no upstream connection (new or pooled) in time")
     return ConnectionLost(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
 
@@ -119,7 +118,7 @@ class UpstreamTransport:
         try:
             response = await self._session.post(url, data=body, headers=request_headers,
                                                 timeout=timeout, allow_redirects=False)
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+        except (aiohttp.ClientError, OSError) as exc:
             raise _translate(exc) from None
         return UpstreamResponse(response)
 

@@ -130,12 +130,19 @@ def test_6_malformed_sse_is_a_backend_failure_never_garbage(fleet, start_gateway
     app, server = start_gateway(pool_config(fleet))
     fleet.engines[0].set_fault({"mode": "malformed_sse", "tokens": 2})
     results = [stream(server.url, chat(max_tokens=6)) for _ in range(4)]
-    assert [o for _, o, _ in results].count("error") == 1
-    assert "lost" not in [o for _, o, _ in results]
-    broken = next(r for r, o, _ in results if o == "error")
-    assert orjson.loads(broken.content.strip().split(b"\n\n")[-1][6:])["error"]["code"] == \
-        "upstream_malformed_event"
-    assert app.resilience.breakers[app.fleet.endpoints[0]].consecutive_failures == 1
+    outcomes = [o for _, o, _ in results]
+    assert set(outcomes) <= {"complete", "error"}  # never lost, never garbage to the client
+    for response, outcome, _ in results:
+        if outcome == "error":
+            last = orjson.loads(response.content.strip().split(b"\n\n")[-1][6:])
+            assert last["error"]["code"] == "upstream_malformed_event"
+    # The bad event arrives either after the commit (error event) or in the same read as the
+    # first event (retried elsewhere before anything reached the client): a backend failure
+    # against engine 0 either way.
+    retried = 'kvgate_retries_total{pool="default",reason="upstream_malformed_event"}' in \
+        httpx.get(server.url + "/metrics").text
+    assert outcomes.count("error") >= 1 or retried
+    assert app.resilience.breakers[app.fleet.endpoints[0]].consecutive_failures >= 1
     unary = [httpx.post(server.url + "/v1/chat/completions", json=chat(max_tokens=4),
                         timeout=20) for _ in range(4)]
     assert [r.status_code for r in unary] == [200] * 4  # truncated JSON body: retried
