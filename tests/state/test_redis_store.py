@@ -117,7 +117,7 @@ async def test_losing_redis_never_blocks_and_recovery_resyncs(redis_server):
             stores[0].publish("set", b"during-%d" % i)
         assert time.perf_counter() - started < 0.5
         await _eventually(lambda: not stores[0].connected)
-        assert stores[1].peer_load() == {}
+        await _eventually(lambda: stores[1].peer_load() == {})
         redis_server.start()
         await _eventually(lambda: stores[0].connected and stores[1].connected, within=15)
         stores[0].publish("set", b"after")
