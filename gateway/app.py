@@ -19,7 +19,6 @@ from gateway.chain.admission import AdmissionController, AdmissionStage
 from gateway.chain.auth import AuthStage
 from gateway.chain.classify import Classifier, ClassifyStage
 from gateway.chain.pipeline import RequestChain
-from gateway.chain.quotas import InMemoryQuotaStore
 from gateway.chain.tenants import TenantDirectory
 from gateway.config import Config
 from gateway.errors import KvgateError, MethodNotAllowed, NotFound
@@ -32,6 +31,7 @@ from gateway.routing.health import HealthMonitor
 from gateway.routing.metrics import RoutingCollector
 from gateway.routing.picker import PickStage, RoutingServices, build_router
 from gateway.routing.telemetry import TelemetryScraper
+from gateway.state import build_store
 from gateway.types import RequestContext
 from gateway.upstream.client import build_upstream_client
 from gateway.upstream.headers import request_id_from
@@ -57,7 +57,8 @@ class GatewayApp:
         self.access_log = AccessLog(enabled=config.server.access_log)
         self.tenants = TenantDirectory(config.auth, config.tiers)
         self.classifier = Classifier(config.classification)
-        self.admission = AdmissionController(self.fleet, InMemoryQuotaStore(), self.classifier,
+        self.store = build_store(config.state)
+        self.admission = AdmissionController(self.fleet, self.store.quotas, self.classifier,
                                              config.admission, self.metrics)
         self.admin = AdminRoutes(self.tenants, self.classifier, self.admission)
         # httpx for the control plane (health, discovery, telemetry); aiohttp for the data path.
@@ -107,9 +108,11 @@ class GatewayApp:
             log.warning("initial health probe did not finish in %.0f s", _STARTUP_PROBE_SECONDS)
         self.health.start()
         self.telemetry.start()
+        await self.store.start()
 
     async def shutdown(self) -> None:
         await self.admission.stop()
+        await self.store.stop()
         await self.telemetry.stop()
         await self.health.stop()
         await self.client.aclose()

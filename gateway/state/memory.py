@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Mapping
 
+from gateway.chain.quotas import InMemoryQuotaStore
 from gateway.state.store import ApplyDelta, EndpointLoad, LoadSource, TakeSnapshot
 
 
@@ -13,6 +14,7 @@ class MemoryStore:
 
     def __init__(self) -> None:
         self.replica_id = uuid.uuid4().hex[:12]
+        self.quotas = InMemoryQuotaStore()
 
     async def start(self) -> None:
         return None

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gateway.state.redis_link import RedisLink, RedisUnavailable
+from gateway.state.redis_quota import RedisQuotaStore
 from gateway.state.store import ApplyDelta, EndpointLoad, LoadSource, TakeSnapshot
 
 log = logging.getLogger("kvgate.state")
@@ -70,6 +71,7 @@ class RedisStore:
                                 blocking_read=settings.read_block)
         self.link.on_recovered = self._schedule_resync
         self.reader.on_recovered = self._schedule_resync
+        self.quotas = RedisQuotaStore(self.link, settings.prefix, lambda: self._replicas)
         self.stats = StoreStats()
         self._topics: dict[str, _Topic] = {}
         self._pending: deque[tuple[str, bytes]] = deque()
@@ -110,6 +112,7 @@ class RedisStore:
 
     async def start(self) -> None:
         await self._resync()
+        self.quotas.start()
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(self._flush_loop(), name="kvgate-state-flush"),
@@ -119,6 +122,7 @@ class RedisStore:
         ]
 
     async def stop(self) -> None:
+        await self.quotas.stop()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

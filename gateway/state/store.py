@@ -7,7 +7,8 @@ carries what the other processes need to know, off the request path:
   published fire-and-forget and applied by every other replica; with periodic snapshots so a
   new replica warms up;
 - **load**: each replica's per-endpoint in-flight requests and queued tokens, heartbeated with
-  a TTL so a dead replica's counts expire on their own; readers see the sum over live peers.
+  a TTL so a dead replica's counts expire on their own; readers see the sum over live peers;
+- **quotas**: per-tenant token buckets (`gateway.chain.quotas.QuotaStore`).
 
 `MemoryStore` is the embedded single-process default (no peers). `RedisStore` shares through
 Redis and falls back to local state while Redis is unreachable.
@@ -18,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
+
+from gateway.chain.quotas import QuotaStore
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +40,7 @@ LoadSource = Callable[[], Mapping[str, EndpointLoad]]
 
 class Store(Protocol):
     replica_id: str
+    quotas: QuotaStore
 
     async def start(self) -> None:
         """Connect and start background sync; never fails because a backend is down."""
