@@ -3,7 +3,10 @@
     .venv/bin/python benchmarks/fast_upstream.py --port 9001 [--chunks 10] [--gap-ms 2]
 
 Routes: `POST /v1/chat/completions` (non-stream: a small JSON answer with usage; stream: N SSE
-chunks then `data: [DONE]`), `GET /health`, `GET /v1/models` (model `bench-model`). Every
+chunks then `data: [DONE]`), `GET /health`, `GET /v1/models` (model `bench-model`), `GET
+/metrics` (a minimal vLLM-style exposition: requests in flight as `vllm:num_requests_running`,
+nothing waiting, an empty KV cache, so the gateway's telemetry scraper sees a normal idle
+engine and the benchmark measures its usual steady state). Every
 stream chunk carries its send time in its id, `"id":"bench-<time.monotonic_ns()>"`, so a client
 on the same host can compute each chunk's delivery delay (CLOCK_MONOTONIC is shared by all
 processes on Linux). Stream shape can be overridden per request with the `x-bench-chunks` and
@@ -46,6 +49,18 @@ _LAST = (b'data: {"id":"bench-%d","object":"chat.completion.chunk","created":0,'
          b'"finish_reason":"stop"}],"usage":{"prompt_tokens":8,"completion_tokens":%d,'
          b'"total_tokens":%d}}\n\n')
 _DONE = b"data: [DONE]\n\n"
+_METRICS_LABELS = '{{model_name="' + MODEL + '"}}'  # braces doubled for str.format
+_METRICS = (
+    "# TYPE vllm:num_requests_running gauge\n"
+    "vllm:num_requests_running" + _METRICS_LABELS + " {running}\n"
+    "# TYPE vllm:num_requests_waiting gauge\n"
+    "vllm:num_requests_waiting" + _METRICS_LABELS + " 0\n"
+    "# TYPE vllm:kv_cache_usage_perc gauge\n"
+    "vllm:kv_cache_usage_perc" + _METRICS_LABELS + " 0.0\n"
+    "# TYPE vllm:cache_config_info gauge\n"
+    'vllm:cache_config_info{{block_size="16",num_gpu_blocks="65536"}} 1.0\n'
+)
+_PROMETHEUS = [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]
 
 
 class FastUpstream:
@@ -54,6 +69,7 @@ class FastUpstream:
     def __init__(self, chunks: int, gap: float) -> None:
         self.chunks = chunks
         self.gap = gap
+        self.inflight = 0
 
     async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -63,15 +79,21 @@ class FastUpstream:
             body = await _read_body(receive)
             if body is None:  # the client went away mid-request
                 return
-            if orjson.loads(body).get("stream"):
-                chunks, gap = self._shape(scope["headers"])
-                await _stream(send, chunks, gap)
-            else:
-                await _respond(send, 200, _COMPLETION)
+            self.inflight += 1
+            try:
+                if orjson.loads(body).get("stream"):
+                    chunks, gap = self._shape(scope["headers"])
+                    await _stream(send, chunks, gap)
+                else:
+                    await _respond(send, 200, _COMPLETION)
+            finally:
+                self.inflight -= 1
         elif path == "/health":
             await _respond(send, 200, b"{}")
         elif path == "/v1/models":
             await _respond(send, 200, _MODELS)
+        elif path == "/metrics":
+            await _respond(send, 200, _METRICS.format(running=self.inflight).encode(), _PROMETHEUS)
         else:
             await _respond(send, 404, b'{"error":{"message":"not found"}}')
 
@@ -96,9 +118,10 @@ async def _read_body(receive: Receive) -> bytes | None:
             return b"".join(parts)
 
 
-async def _respond(send: Send, status: int, body: bytes) -> None:
+async def _respond(send: Send, status: int, body: bytes,
+                   content_type: list[tuple[bytes, bytes]] = _JSON) -> None:
     await send({"type": "http.response.start", "status": status,
-                "headers": [*_JSON, (b"content-length", str(len(body)).encode())]})
+                "headers": [*content_type, (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
 
 

@@ -193,7 +193,9 @@ class _Connection(asyncio.Protocol):
             return
         sample = parser.sample
         sample.done = now
-        if parser.stream and not parser.saw_done and not sample.error:
+        # Only a 200 stream must end with [DONE]; any other status is reported as "http N".
+        if (parser.stream and sample.status == 200 and not parser.saw_done
+                and not sample.error):
             sample.error = "stream without [DONE]"
         self.parser = None
         self.pool.finished(self, sample, parser.keep_alive and sample.error == "")

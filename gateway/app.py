@@ -7,9 +7,11 @@ text bodies. The upstream client and the health monitor live from lifespan start
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
+from collections.abc import Mapping
 
 import orjson
 
@@ -26,12 +28,15 @@ from gateway.ingress import INFERENCE_ROUTES, ClientGone, parse_payload, read_bo
 from gateway.observability.access_log import AccessLog
 from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.resilience import BreakerStateCollector, ResilienceMetrics
+from gateway.observability.state import StateCollector
 from gateway.routing.endpoints import Fleet, build_pool
 from gateway.routing.health import HealthMonitor
 from gateway.routing.metrics import RoutingCollector
 from gateway.routing.picker import PickStage, RoutingServices, build_router
+from gateway.routing.prefix_index import PrefixIndex
 from gateway.routing.telemetry import TelemetryScraper
-from gateway.state import build_store
+from gateway.state import EndpointLoad, build_store
+from gateway.state.prefix_sync import SharedPrefixIndex
 from gateway.types import RequestContext
 from gateway.upstream.client import build_upstream_client
 from gateway.upstream.headers import request_id_from
@@ -50,14 +55,17 @@ class GatewayApp:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.fleet = Fleet(build_pool(p, config.routing) for p in config.pools)
-        self.routing = RoutingServices.from_config(config.routing)
+        self.store = build_store(config.state)
+        self.routing = RoutingServices.from_config(
+            config.routing, functools.partial(SharedPrefixIndex, self.store)
+            if config.state.backend == "redis" else PrefixIndex)
         self.picker = build_router(config, self.fleet, self.routing)
         self.metrics = GatewayMetrics(self.fleet)
         self.metrics.registry.register(RoutingCollector(self.fleet, self.routing))
+        self.metrics.registry.register(StateCollector(self.store, self.fleet))
         self.access_log = AccessLog(enabled=config.server.access_log)
         self.tenants = TenantDirectory(config.auth, config.tiers)
         self.classifier = Classifier(config.classification)
-        self.store = build_store(config.state)
         self.admission = AdmissionController(self.fleet, self.store.quotas, self.classifier,
                                              config.admission, self.metrics)
         self.admin = AdminRoutes(self.tenants, self.classifier, self.admission)
@@ -108,6 +116,7 @@ class GatewayApp:
             log.warning("initial health probe did not finish in %.0f s", _STARTUP_PROBE_SECONDS)
         self.health.start()
         self.telemetry.start()
+        self.store.report_load(self._local_load, self._apply_peer_load)
         await self.store.start()
 
     async def shutdown(self) -> None:
@@ -155,6 +164,16 @@ class GatewayApp:
             started=started,
         )
         await self.chain.handle(ctx, receive, send)
+
+    def _local_load(self) -> dict[str, EndpointLoad]:
+        return {e.name: EndpointLoad(e.inflight, e.prefill_tokens) for e in self.fleet.endpoints}
+
+    def _apply_peer_load(self, peers: Mapping[str, EndpointLoad]) -> None:
+        none = EndpointLoad()
+        for endpoint in self.fleet.endpoints:
+            load = peers.get(endpoint.name, none)
+            endpoint.peer_inflight = load.inflight
+            endpoint.peer_queued_tokens = load.queued_tokens
 
     def _settle(self, ctx: RequestContext) -> None:
         self.metrics.observe(ctx)

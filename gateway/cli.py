@@ -23,7 +23,8 @@ DEMO_ENGINES = 2
 def _uvicorn_config(app: object, host: str, port: int, log_level: str) -> uvicorn.Config:
     return uvicorn.Config(app, host=host, port=port, loop="uvloop", http="httptools",
                           lifespan="on", access_log=False, log_level=log_level,
-                          server_header=False, timeout_graceful_shutdown=5)
+                          server_header=False, timeout_graceful_shutdown=5,
+                          proxy_headers=False)  # kvgate reads no client address
 
 
 def _setup_logging(level: str) -> None:
@@ -56,7 +57,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         uvicorn.run("gateway.app:app_from_env", factory=True, workers=args.workers,
                     host=host, port=port, loop="uvloop", http="httptools", lifespan="on",
                     access_log=False, log_level=args.log_level, server_header=False,
-                    timeout_graceful_shutdown=5)
+                    timeout_graceful_shutdown=5, proxy_headers=False)
         return 0
     uvicorn.Server(_uvicorn_config(GatewayApp(config), host, port, args.log_level)).run()
     return 0

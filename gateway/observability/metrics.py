@@ -52,17 +52,39 @@ class GatewayMetrics:
         self.quota_rejections = Counter(
             "kvgate_quota_rejections", "Requests refused by a tenant limit (429), by limit.",
             ["tenant", "limit"], registry=self.registry)
+        # Labelled children of the per-request metrics, by label values: `.labels()` validates
+        # and joins its arguments on every call, a dict lookup does not. Bounded like the label
+        # sets themselves (config names, fixed words, kvgate's own codes).
+        self._requests: dict[tuple[str, str, int, str], Counter] = {}
+        self._duration: dict[tuple[str, bool], Histogram] = {}
+        self._ttft: dict[str, Histogram] = {}
+        self._endpoint_requests: dict[tuple[str, str], Counter] = {}
 
     def observe(self, ctx: RequestContext) -> None:
         now = time.perf_counter()
         model = ctx.model if self.fleet.serves(ctx.model) else "_unknown"
-        self.requests.labels(ctx.route, model, str(ctx.status), ctx.outcome).inc()
-        self.duration.labels(ctx.route, "true" if ctx.stream else "false").observe(
-            now - ctx.started)
+        key = (ctx.route, model, ctx.status, ctx.outcome)
+        requests = self._requests.get(key)
+        if requests is None:
+            requests = self._requests[key] = self.requests.labels(
+                ctx.route, model, str(ctx.status), ctx.outcome)
+        requests.inc()
+        duration = self._duration.get((ctx.route, ctx.stream))
+        if duration is None:
+            duration = self._duration[(ctx.route, ctx.stream)] = self.duration.labels(
+                ctx.route, "true" if ctx.stream else "false")
+        duration.observe(now - ctx.started)
         if ctx.first_token_at is not None:
-            self.ttft.labels(ctx.route).observe(ctx.first_token_at - ctx.started)
+            ttft = self._ttft.get(ctx.route)
+            if ttft is None:
+                ttft = self._ttft[ctx.route] = self.ttft.labels(ctx.route)
+            ttft.observe(ctx.first_token_at - ctx.started)
         if ctx.endpoint is not None:
-            self.endpoint_requests.labels(ctx.endpoint.name, ctx.outcome).inc()
+            key = (ctx.endpoint.name, ctx.outcome)
+            endpoint = self._endpoint_requests.get(key)
+            if endpoint is None:
+                endpoint = self._endpoint_requests[key] = self.endpoint_requests.labels(*key)
+            endpoint.inc()
 
     def observe_rejected(self, route: str, status: int, outcome: str) -> None:
         self.requests.labels(route, "_unknown", str(status), outcome).inc()

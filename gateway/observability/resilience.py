@@ -49,6 +49,7 @@ class ResilienceMetrics:
             "kvgate_stream_resume_overhead_tokens",
             "Prompt tokens re-read by engines to resume broken streams.",
             ["pool"], registry=registry)
+        self._attempts: dict[tuple[str, str], Counter] = {}
 
     def breaker_transition(self, endpoint: str, old: str, new: str) -> None:
         self.transitions.labels(endpoint, old, new).inc()
@@ -57,7 +58,11 @@ class ResilienceMetrics:
         self.skipped.labels(endpoint).inc()
 
     def attempt_finished(self, endpoint: str, result: str) -> None:
-        self.attempts.labels(endpoint, result).inc()
+        # Once per upstream attempt: the labelled child is cached (`.labels()` is slow).
+        child = self._attempts.get((endpoint, result))
+        if child is None:
+            child = self._attempts[(endpoint, result)] = self.attempts.labels(endpoint, result)
+        child.inc()
 
     def retry(self, pool: str, reason: str) -> None:
         self.retries.labels(pool, reason).inc()

@@ -81,6 +81,9 @@ class Endpoint:
     prefill_requests: int = 0
     prefill_tokens: int = 0
     decoding: int = 0
+    # What the other gateway replicas have in flight here (shared state, docs/redis.md).
+    peer_inflight: int = 0
+    peer_queued_tokens: int = 0
     mean_prompt_tokens: float = _DEFAULT_PROMPT_TOKENS
     # id(ctx) → prompt tokens still to prefill, or -1 once the attempt decodes.
     _attempts: dict[int, int] = field(default_factory=dict)
@@ -156,9 +159,10 @@ class Endpoint:
         beyond what the gateway sent (other clients, other gateway replicas)."""
         telemetry = self.fresh_telemetry
         extra = 0.0
-        if telemetry is not None and telemetry.waiting > self.prefill_requests:
-            extra = (telemetry.waiting - self.prefill_requests) * self.mean_prompt_tokens
-        return self.prefill_tokens + extra
+        known = self.prefill_requests + self.peer_inflight  # peers' work is counted already
+        if telemetry is not None and telemetry.waiting > known:
+            extra = (telemetry.waiting - known) * self.mean_prompt_tokens
+        return self.prefill_tokens + self.peer_queued_tokens + extra
 
     @property
     def active_sequences(self) -> float:
@@ -169,13 +173,18 @@ class Endpoint:
         return max(float(self.decoding), telemetry.running)
 
     @property
+    def total_inflight(self) -> int:
+        """Requests in flight here from this gateway process and its peer replicas."""
+        return self.inflight + self.peer_inflight
+
+    @property
     def kv_usage(self) -> float:
         telemetry = self.fresh_telemetry
         return telemetry.kv_usage if telemetry is not None else 0.0
 
     def saturated_by(self, max_waiting: float, max_kv_usage: float) -> bool:
         """Saturated under the given thresholds (pure; used by filters with their own)."""
-        if self.max_inflight is not None and self.inflight >= self.max_inflight:
+        if self.max_inflight is not None and self.total_inflight >= self.max_inflight:
             return True
         telemetry = self.fresh_telemetry
         return telemetry is not None and (telemetry.waiting > max_waiting

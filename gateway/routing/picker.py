@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -68,10 +68,14 @@ class RoutingServices:
     chars_per_token: float
 
     @classmethod
-    def from_config(cls, routing: RoutingConfig) -> RoutingServices:
+    def from_config(cls, routing: RoutingConfig,
+                    make_index: Callable[[int, float, int], PrefixIndex] = PrefixIndex
+                    ) -> RoutingServices:
+        """`make_index(default_capacity, ttl, max_capacity)` builds the prefix index (a
+        shared one when replicas sync through a store)."""
         prefix = routing.prefix
         return cls(
-            index=PrefixIndex(prefix.default_capacity, prefix.ttl, prefix.max_capacity),
+            index=make_index(prefix.default_capacity, prefix.ttl, prefix.max_capacity),
             hasher=PrefixHasher(prefix.block_chars, prefix.max_blocks),
             affinity=SessionAffinity(routing.affinity_ttl, routing.affinity_max_sessions),
             explain=routing.explain,

@@ -33,7 +33,8 @@ class Picker(Protocol):
 def load_of(endpoint: Endpoint) -> float:
     """Requests on the endpoint: the gateway's in-flight count, or the engine's own count of
     queued + running requests when that is higher (work from elsewhere)."""
-    return max(float(endpoint.inflight), endpoint.queued_requests + endpoint.active_sequences)
+    return max(float(endpoint.total_inflight),
+               endpoint.queued_requests + endpoint.active_sequences)
 
 
 class RandomParams(Params):

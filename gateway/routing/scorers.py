@@ -91,7 +91,7 @@ class InflightScorer:
         self.params = params or self.Params()
 
     def __call__(self, ctx: RequestContext, candidates: Sequence[Endpoint]) -> list[float]:
-        return _inverse_min_max([float(e.inflight) for e in candidates])
+        return _inverse_min_max([float(e.total_inflight) for e in candidates])
 
 
 class PredictedTtftParams(Params):

@@ -6,7 +6,7 @@ import uuid
 from collections.abc import Mapping
 
 from gateway.chain.quotas import InMemoryQuotaStore
-from gateway.state.store import ApplyDelta, EndpointLoad, LoadSource, TakeSnapshot
+from gateway.state.store import ApplyDelta, EndpointLoad, LoadSink, LoadSource, TakeSnapshot
 
 
 class MemoryStore:
@@ -29,7 +29,7 @@ class MemoryStore:
     def publish(self, topic: str, delta: bytes) -> None:
         return None
 
-    def report_load(self, source: LoadSource) -> None:
+    def report_load(self, source: LoadSource, sink: LoadSink) -> None:
         return None
 
     def peer_load(self) -> Mapping[str, EndpointLoad]:

@@ -4,8 +4,10 @@ Keys (all under `prefix`):
     {p}:stream:{topic}     Redis Stream of deltas, fields r=replica id, d=delta; trimmed ~maxlen
     {p}:snapshot:{topic}   hash {id: last stream id applied, d: snapshot bytes}
     {p}:snaplock:{topic}   SET NX PX lock: one replica writes the snapshot per interval
-    {p}:load:{replica}     hash endpoint → "inflight,queued_tokens"; expires after 3 heartbeats
-    {p}:replicas           sorted set replica → last heartbeat (ms)
+    {p}:stream:load        each replica's per-endpoint load, sent when it changes (checked
+                           every 25 ms) and at least every heartbeat; trimmed ~1000
+    {p}:replicas           sorted set replica → last heartbeat (ms); silent for 3 heartbeats =
+                           gone, and its load is forgotten
 
 Publishing only appends to a bounded local queue; background tasks flush it, read the other
 replicas' deltas, heartbeat load and write snapshots. When Redis is lost every loop backs off
@@ -24,19 +26,26 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import orjson
+
 from gateway.state.redis_link import RedisLink, RedisUnavailable
 from gateway.state.redis_quota import RedisQuotaStore
-from gateway.state.store import ApplyDelta, EndpointLoad, LoadSource, TakeSnapshot
+from gateway.state.store import ApplyDelta, EndpointLoad, LoadSink, LoadSource, TakeSnapshot
 
 log = logging.getLogger("kvgate.state")
+
+
+LOAD_TOPIC = "load"
+_LOAD_CHECK_SECONDS = 0.025
 
 
 @dataclass(slots=True)
 class _Topic:
     name: str
     apply: ApplyDelta
-    snapshot: TakeSnapshot
-    restore: ApplyDelta
+    snapshot: TakeSnapshot | None
+    restore: ApplyDelta | None
+    maxlen: int
     last_id: bytes = b"0-0"
 
 
@@ -78,7 +87,10 @@ class RedisStore:
         self._wake = asyncio.Event()
         self._needs_resync = True
         self._load_source: LoadSource = dict
+        self._load_sink: LoadSink = _ignore
+        self._peer_tables: dict[str, dict[str, EndpointLoad]] = {}
         self._peer_load: dict[str, EndpointLoad] = {}
+        self._topics[LOAD_TOPIC] = _Topic(LOAD_TOPIC, self._apply_load, None, None, 1000)
         self._replicas = 1
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -87,7 +99,8 @@ class RedisStore:
 
     def share(self, topic: str, apply: ApplyDelta, snapshot: TakeSnapshot,
               restore: ApplyDelta) -> None:
-        self._topics[topic] = _Topic(topic, apply, snapshot, restore)
+        self._topics[topic] = _Topic(topic, apply, snapshot, restore,
+                                     self.settings.stream_maxlen)
 
     def publish(self, topic: str, delta: bytes) -> None:
         if len(self._pending) >= self.settings.max_pending:
@@ -96,8 +109,9 @@ class RedisStore:
         self._pending.append((topic, delta))
         self._wake.set()
 
-    def report_load(self, source: LoadSource) -> None:
+    def report_load(self, source: LoadSource, sink: LoadSink) -> None:
         self._load_source = source
+        self._load_sink = sink
 
     def peer_load(self) -> Mapping[str, EndpointLoad]:
         return self._peer_load
@@ -118,6 +132,7 @@ class RedisStore:
             loop.create_task(self._flush_loop(), name="kvgate-state-flush"),
             loop.create_task(self._read_loop(), name="kvgate-state-read"),
             loop.create_task(self._heartbeat_loop(), name="kvgate-state-heartbeat"),
+            loop.create_task(self._load_loop(), name="kvgate-state-load"),
             loop.create_task(self._snapshot_loop(), name="kvgate-state-snapshot"),
         ]
 
@@ -141,6 +156,8 @@ class RedisStore:
         snapshot's position; without a snapshot, replay what the trimmed stream still holds."""
         try:
             for topic in self._topics.values():
+                if topic.restore is None:
+                    continue
                 stored = await self.link.call(
                     lambda r, t=topic: r.hgetall(self._key("snapshot", t.name)))
                 if stored and b"d" in stored:
@@ -177,14 +194,12 @@ class RedisStore:
         pipe = client.pipeline(transaction=False)  # type: ignore[attr-defined]
         for topic, delta in batch:
             pipe.xadd(self._key("stream", topic), {"r": self.replica_id, "d": delta},
-                      maxlen=self.settings.stream_maxlen, approximate=True)
+                      maxlen=self._topics[topic].maxlen, approximate=True)
         return await pipe.execute()
 
     async def _read_loop(self) -> None:
         block_ms = int(self.settings.read_block * 1000)
         while True:
-            if not self._topics:
-                return
             streams = {self._key("stream", t.name): t.last_id for t in self._topics.values()}
             try:
                 answer = await self.reader.call(
@@ -208,59 +223,69 @@ class RedisStore:
                     topic.apply(fields[b"d"])
                     self.stats.applied += 1
 
+    async def _load_loop(self) -> None:
+        """Send this replica's load when it changed, and at least every heartbeat."""
+        last: dict[str, EndpointLoad] | None = None
+        last_sent = 0.0
+        while True:
+            await asyncio.sleep(_LOAD_CHECK_SECONDS)
+            load = dict(self._load_source())
+            now = time.monotonic()
+            if load != last or now - last_sent >= self.settings.heartbeat_interval:
+                self.publish(LOAD_TOPIC, orjson.dumps(
+                    {"r": self.replica_id,
+                     "l": {name: [v.inflight, v.queued_tokens] for name, v in load.items()}}))
+                last, last_sent = load, now
+
+    def _apply_load(self, delta: bytes) -> None:
+        message = orjson.loads(delta)
+        self._peer_tables[message["r"]] = {
+            name: EndpointLoad(int(v[0]), int(v[1])) for name, v in message["l"].items()}
+        self._sum_peer_load()
+
+    def _sum_peer_load(self) -> None:
+        total: dict[str, EndpointLoad] = {}
+        for table in self._peer_tables.values():
+            for name, load in table.items():
+                total[name] = total[name] + load if name in total else load
+        self._peer_load = total
+        self._load_sink(total)
+
     async def _heartbeat_loop(self) -> None:
+        """Liveness: announce this replica, count the live ones, forget the dead ones' load."""
         interval = self.settings.heartbeat_interval
         while True:
             try:
-                await self._heartbeat(interval)
+                live = await self._heartbeat(interval)
+                self._replicas = max(1, len(live))
             except RedisUnavailable:
-                self._peer_load = {}
+                live = set()  # serve on local load; keep the last replica count for quotas
+            gone = [r for r in self._peer_tables if r not in live]
+            for replica in gone:
+                del self._peer_tables[replica]
+            if gone:
+                self._sum_peer_load()
             await asyncio.sleep(interval)
 
-    async def _heartbeat(self, interval: float) -> None:
+    async def _heartbeat(self, interval: float) -> set[str]:
         now_ms = int(time.time() * 1000)
         ttl_ms = int(interval * 3000)
-        mine = {name: f"{load.inflight},{load.queued_tokens}"
-                for name, load in self._load_source().items()}
-        load_key = self._key("load", self.replica_id)
         replicas_key = self._key("replicas")
 
         async def beat(r: object) -> list[bytes]:
             pipe = r.pipeline(transaction=False)  # type: ignore[attr-defined]
-            pipe.delete(load_key)
-            if mine:
-                pipe.hset(load_key, mapping=mine)
-            pipe.pexpire(load_key, ttl_ms)
             pipe.zadd(replicas_key, {self.replica_id: now_ms})
             pipe.zremrangebyscore(replicas_key, 0, now_ms - ttl_ms)
             pipe.zrangebyscore(replicas_key, now_ms - ttl_ms, "+inf")
             return (await pipe.execute())[-1]
 
-        live = await self.link.call(beat)
-        peers = [p.decode() for p in live if p.decode() != self.replica_id]
-
-        async def read_peers(r: object) -> list[dict[bytes, bytes]]:
-            pipe = r.pipeline(transaction=False)  # type: ignore[attr-defined]
-            for peer in peers:
-                pipe.hgetall(self._key("load", peer))
-            return await pipe.execute()
-
-        tables = await self.link.call(read_peers) if peers else []
-        total: dict[str, EndpointLoad] = {}
-        for table in tables:
-            for name, value in table.items():
-                inflight, _, tokens = value.partition(b",")
-                load = EndpointLoad(int(inflight), int(tokens or 0))
-                key = name.decode()
-                total[key] = total[key] + load if key in total else load
-        self._peer_load = total
-        self._replicas = 1 + len(peers)
+        return {p.decode() for p in await self.link.call(beat)}
 
     async def _snapshot_loop(self) -> None:
         interval = self.settings.snapshot_interval
         while True:
             await asyncio.sleep(interval)
-            for topic in list(self._topics.values()):
+            for topic in [t for t in self._topics.values() if t.snapshot is not None]:
                 try:
                     await self._write_snapshot(topic, interval)
                 except RedisUnavailable:
@@ -272,8 +297,13 @@ class RedisStore:
                                                    px=int(interval * 1000)))
         if not won:
             return
+        assert topic.snapshot is not None
         data = topic.snapshot()
         await self.link.call(lambda r: r.hset(self._key("snapshot", topic.name),
                                               mapping={"id": topic.last_id, "d": data}),
                              limit=max(self.settings.op_timeout, 1.0))
         self.stats.snapshots_written += 1
+
+
+def _ignore(_: Mapping[str, EndpointLoad]) -> None:
+    return None

@@ -36,6 +36,7 @@ class EndpointLoad:
 ApplyDelta = Callable[[bytes], None]
 TakeSnapshot = Callable[[], bytes]
 LoadSource = Callable[[], Mapping[str, EndpointLoad]]
+LoadSink = Callable[[Mapping[str, EndpointLoad]], None]
 
 
 class Store(Protocol):
@@ -58,8 +59,9 @@ class Store(Protocol):
         """Queue a delta for the other replicas. Never blocks, never raises."""
         ...
 
-    def report_load(self, source: LoadSource) -> None:
-        """Where this replica's per-endpoint load is read from for heartbeats."""
+    def report_load(self, source: LoadSource, sink: LoadSink) -> None:
+        """`source` gives this replica's per-endpoint load for each heartbeat; `sink` receives
+        the peers' summed load after each heartbeat (empty when alone or Redis is lost)."""
         ...
 
     def peer_load(self) -> Mapping[str, EndpointLoad]:

@@ -47,7 +47,9 @@ class SseScanner:
     def feed(self, chunk: bytes) -> bytes:
         """Scan `chunk`; return the bytes of the events it completed (possibly b"")."""
         buffer = self._tail + chunk if self._tail else chunk
-        events = _BOUNDARY.split(buffer)
+        # Engines end lines with LF; the regex (which also accepts CRLF) only runs when a CR is
+        # present, as bytes.split is several times faster per chunk.
+        events = _BOUNDARY.split(buffer) if b"\r" in buffer else buffer.split(b"\n\n")
         self._tail = events.pop()
         if len(self._tail) > MAX_PENDING_BYTES:
             raise SseProtocolError("upstream sent an event larger than 1 MiB")

@@ -96,6 +96,7 @@ class UpstreamTransport:
         self.config = config
         self.connect_timeout = connect_timeout
         self._session: aiohttp.ClientSession | None = None
+        self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
 
     def _open_session(self) -> aiohttp.ClientSession:
         connector = aiohttp.TCPConnector(
@@ -112,8 +113,10 @@ class UpstreamTransport:
         if self._session is None:
             self._session = self._open_session()
         limit = self.connect_timeout if connect_timeout is None else connect_timeout
-        timeout = aiohttp.ClientTimeout(total=None, sock_read=None, connect=limit * 2,
-                                        sock_connect=limit)
+        timeout = self._timeouts.get(limit)
+        if timeout is None:  # one per distinct limit (config and tier values): a few at most
+            timeout = self._timeouts[limit] = aiohttp.ClientTimeout(
+                total=None, sock_read=None, connect=limit * 2, sock_connect=limit)
         request_headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers]
         try:
             response = await self._session.post(url, data=body, headers=request_headers,

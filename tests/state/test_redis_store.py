@@ -63,8 +63,11 @@ async def test_deltas_reach_every_other_replica_but_not_the_sender(redis_server)
 
 async def test_load_heartbeats_sum_over_live_peers_and_expire(redis_server):
     stores = [_store(redis_server.url, SetView(), "t2") for _ in range(3)]
-    stores[1].report_load(lambda: {"pool-0": EndpointLoad(2, 100)})
-    stores[2].report_load(lambda: {"pool-0": EndpointLoad(3, 50), "pool-1": EndpointLoad(1, 7)})
+    seen: list[dict[str, EndpointLoad]] = []
+    stores[0].report_load(dict, lambda peers: seen.append(dict(peers)))
+    stores[1].report_load(lambda: {"pool-0": EndpointLoad(2, 100)}, lambda peers: None)
+    stores[2].report_load(lambda: {"pool-0": EndpointLoad(3, 50), "pool-1": EndpointLoad(1, 7)},
+                          lambda peers: None)
     for store in stores:
         await store.start()
     try:
@@ -72,6 +75,7 @@ async def test_load_heartbeats_sum_over_live_peers_and_expire(redis_server):
         await _eventually(lambda: stores[0].peer_load() == {
             "pool-0": EndpointLoad(5, 150), "pool-1": EndpointLoad(1, 7)})
         await _eventually(lambda: stores[1].peer_load().get("pool-0") == EndpointLoad(3, 50))
+        assert {"pool-0": EndpointLoad(5, 150), "pool-1": EndpointLoad(1, 7)} in seen
         await stores[2].stop()
         await _eventually(lambda: stores[0].peer_load() == {"pool-0": EndpointLoad(2, 100)})
         assert stores[0].replicas == 2
@@ -88,7 +92,7 @@ async def test_a_new_replica_warms_up_from_the_snapshot(redis_server):
         old_view.items.update({b"x", b"y"})
         for item in (b"x", b"y"):
             old.publish("set", item)
-        await _eventually(lambda: old.stats.snapshots_written >= 1 and old.stats.published == 2)
+        await _eventually(lambda: old.stats.snapshots_written >= 1)
         new_view = SetView()
         new = _store(redis_server.url, new_view, "t3")
         await new.start()
