@@ -400,7 +400,7 @@ class EngineApp:
                 events.append(_DONE)
                 await send({"type": "http.response.body", "body": b"".join(events)})
                 return
-            if events:
+            if events and sent:  # as vLLM: the role chunk leaves with the first token
                 await send(
                     {"type": "http.response.body", "body": b"".join(events), "more_body": True}
                 )

@@ -188,3 +188,16 @@ async def test_async_openai_sdk_reports_cached_tokens():
         )
         await client.close()
     assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+async def test_role_chunk_leaves_with_the_first_token_as_on_vllm():
+    """The opening role chunk must not arrive before prefill is done: gateways commit and time
+    the first token on the first event."""
+    options = EngineOptions(profile="realistic", speed=4)
+    async with SimFleet(engines=1, options=options) as fleet, httpx.AsyncClient() as client:
+        body = chat_body(LONG_TEXT, max_tokens=3)
+        async with client.stream("POST", fleet.urls[0] + "/v1/chat/completions",
+                                 json={**body, "stream": True}) as response:
+            first = await anext(response.aiter_raw())
+    assert b'"role":"assistant"' in first
+    assert first.count(b"data: ") >= 2  # the role chunk and the first token, together
