@@ -185,3 +185,36 @@ def test_killing_redis_under_load_fails_no_request(tmp_path, redis):
                 assert float(resyncs.split()[-1]) >= 2  # at start, and after Redis came back
         finally:
             gateways.stop()
+
+
+def test_workers_with_memory_state_refuse_to_start(tmp_path):
+    config = _config(tmp_path / "memory.yaml", ["http://127.0.0.1:9"], _free_port(), None)
+    result = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--config",
+                             str(config), "--workers", "2"], capture_output=True, text=True,
+                            timeout=30)
+    assert result.returncode == 1
+    assert "--workers 2 needs shared state" in result.stderr
+
+
+def test_workers_are_full_replicas_sharing_redis(tmp_path, redis):
+    with _fleet() as fleet:
+        port = _free_port()
+        config = _config(tmp_path / "workers.yaml", list(fleet.urls), port, redis.url)
+        proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config",
+                                 str(config), "--workers", "2", "--log-level", "warning"],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        try:
+            base = f"http://127.0.0.1:{port}"
+            _wait_ready(base, proc)
+            client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0)
+            for i in range(6):
+                reply = client.chat.completions.create(
+                    model="sim-model", max_tokens=3,
+                    messages=[{"role": "user", "content": f"hello {i}"}])
+                assert reply.choices[0].message.content
+            deadline = time.monotonic() + 15
+            while "kvgate_state_replicas 2.0" not in httpx.get(base + "/metrics").text:
+                assert time.monotonic() < deadline, "the two workers never saw each other"
+                time.sleep(0.1)
+        finally:
+            _stop(proc)
