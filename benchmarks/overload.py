@@ -29,6 +29,7 @@ import os
 import platform
 import random
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from sampler import Sampler
 from services import free_port, gateway, service
 
 from gateway.chain.classify import Classifier
@@ -94,8 +96,8 @@ async def _one(client: httpx.AsyncClient, url: str, lane: str, i: int, intended:
                     result.error = f"http_{response.status_code}"
                 return result
             async for line in response.aiter_lines():
-                # TTFT is the first event with generated text: the simulator (unlike vLLM)
-                # sends the role-only opening chunk before the request is even scheduled.
+                # TTFT is the first event with generated text (a role-only opening chunk,
+                # should an engine send one before scheduling, does not count).
                 if line.startswith("data:") and '"content":"' in line \
                         and '"content":""' not in line:
                     if result.ttft is None:
@@ -167,14 +169,11 @@ classification:
 admission:
   enabled: {str(admission).lower()}
   max_queued: 4096
-# The pool-level adaptive throttle counts a stream as accepted only when it ends, so long
-# streams under overload read as an outage; it is off in both modes to compare admission alone.
-resilience:
-  throttle: {{enabled: false}}
 """
 
 
-def _fleet(engines: int) -> tuple[contextlib.AbstractContextManager[object], list[str]]:
+def _fleet(engines: int) -> tuple[contextlib.AbstractContextManager[subprocess.Popen[bytes]],
+                                  list[str]]:
     base = free_port()
     while True:  # engines need consecutive free ports
         if all(_port_free(base + i) for i in range(engines)):
@@ -216,6 +215,9 @@ def _summary(results: list[Result], seconds: float, capacity: float) -> dict[str
     good_batch = sum(1 for r in batch if r.status == 200 and r.done is not None
                      and r.done <= BATCH_DEADLINE and r.events >= TOKENS["batch"])
     completed = sum(1 for r in results if r.status == 200 and r.done is not None)
+    # Batch work an engine spent time on without it counting: finished late or cut short.
+    batch_wasted = sum(1 for r in batch if r.status == 200 and r.done is not None
+                       and (r.done > BATCH_DEADLINE or r.events < TOKENS["batch"]))
     # Arrivals stop at `seconds`; the fleet drains after that, so divide by the whole span.
     span = max([seconds] + [r.intended + r.done for r in results if r.done is not None])
     goodput = (good_interactive + good_batch) / span
@@ -230,6 +232,7 @@ def _summary(results: list[Result], seconds: float, capacity: float) -> dict[str
         "other_failures": dict(failed),
         "completed": completed,
         "batch_within_deadline": good_batch,
+        "batch_late_or_cut": batch_wasted,
         "span_s": round(span, 1),
         "goodput_rps": round(goodput, 2),
         "goodput_vs_capacity": round(goodput / capacity, 3),
@@ -267,6 +270,8 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals")
     parser.add_argument("--engines", type=int, default=2)
     parser.add_argument("--calibrate-seconds", type=float, default=10.0)
+    parser.add_argument("--dump", type=Path, default=None,
+                        help="write every request's result and the probe samples here (JSON)")
     args = parser.parse_args()
 
     print(f"classifier: {_classifier_cost():.1f} us per request", flush=True)
@@ -278,19 +283,26 @@ def main() -> int:
           f"({args.load}x) for {args.duration:.0f} s", flush=True)
     report: dict[str, object] = {"capacity_rps": round(capacity, 2),
                                  "offered_rps": round(rate, 2)}
+    dump: dict[str, object] = {}
     for mode in ("admission", "none"):
         context, urls = _fleet(args.engines)
-        with context, tempfile.TemporaryDirectory() as tmp:
+        with context as sim, tempfile.TemporaryDirectory() as tmp:
             port = free_port()
             config = Path(tmp) / "gateway.yaml"
             config.write_text(_yaml_config(port, urls, mode == "admission",
                                            f", max_inflight: {MAX_NUM_SEQS}"
                                            if mode == "admission" else ""))
-            with gateway(config, port):
-                results = asyncio.run(_open_loop(f"http://127.0.0.1:{port}", rate,
-                                                 args.duration, seed=11))
-        report[mode] = _summary(results, args.duration, capacity)
+            gateway_url = f"http://127.0.0.1:{port}"
+            with gateway(config, port) as gw, Sampler(
+                    urls, {"sim": sim.pid, "gateway": gw.pid, "loadgen": os.getpid()},
+                    gateway_url if mode == "admission" else None) as sampler:
+                results = asyncio.run(_open_loop(gateway_url, rate, args.duration, seed=11))
+        report[mode] = {**_summary(results, args.duration, capacity),
+                        "probe": sampler.summary()}
+        dump[mode] = {"results": [vars(r) for r in results], "samples": sampler.samples}
         print(f"{mode}: {json.dumps(report[mode])}", flush=True)
+    if args.dump is not None:
+        args.dump.write_text(json.dumps(dump))
     print(json.dumps({"machine": {"nproc": os.cpu_count(), "cpu": platform.processor(),
                                   "python": platform.python_version()}, **report}, indent=1))
     return 0

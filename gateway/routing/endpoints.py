@@ -133,68 +133,36 @@ class Endpoint:
         """Whether this endpoint's engine kind exposes telemetry the gateway scrapes."""
         return self.engine != "openai"
 
-    @property
-    def fresh_telemetry(self) -> EngineTelemetry | None:
-        """The last scrape if it is recent enough to route on, else None."""
+    def fresh_telemetry_at(self, now: float) -> EngineTelemetry | None:
+        """The last scrape if it is recent enough to route on at `now`, else None."""
         telemetry = self.telemetry
-        if telemetry is None or time.monotonic() - telemetry.scraped_at > self.limits.stale_after:
+        if telemetry is None or now - telemetry.scraped_at > self.limits.stale_after:
             return None
         return telemetry
+
+    @property
+    def fresh_telemetry(self) -> EngineTelemetry | None:
+        return self.fresh_telemetry_at(time.monotonic())
 
     @property
     def stale(self) -> bool:
         return self.scraped and self.fresh_telemetry is None
 
     @property
-    def queued_requests(self) -> float:
-        """Requests waiting for their first token: the gateway's count or the engine's."""
-        telemetry = self.fresh_telemetry
-        if telemetry is None:
-            return float(self.prefill_requests)
-        return max(float(self.prefill_requests), telemetry.waiting)
-
-    @property
-    def queued_tokens(self) -> float:
-        """Prompt tokens still to prefill, plus an estimate for queued work the engine reports
-        beyond what the gateway sent (other clients, other gateway replicas)."""
-        telemetry = self.fresh_telemetry
-        extra = 0.0
-        known = self.prefill_requests + self.peer_inflight  # peers' work is counted already
-        if telemetry is not None and telemetry.waiting > known:
-            extra = (telemetry.waiting - known) * self.mean_prompt_tokens
-        return self.prefill_tokens + self.peer_queued_tokens + extra
-
-    @property
-    def active_sequences(self) -> float:
-        """Sequences decoding: the gateway's count or the engine's running count."""
-        telemetry = self.fresh_telemetry
-        if telemetry is None:
-            return float(self.decoding)
-        return max(float(self.decoding), telemetry.running)
-
-    @property
     def total_inflight(self) -> int:
         """Requests in flight here from this gateway process and its peer replicas."""
         return self.inflight + self.peer_inflight
 
-    @property
-    def kv_usage(self) -> float:
-        telemetry = self.fresh_telemetry
-        return telemetry.kv_usage if telemetry is not None else 0.0
-
-    def saturated_by(self, max_waiting: float, max_kv_usage: float) -> bool:
-        """Saturated under the given thresholds (pure; used by filters with their own)."""
-        if self.max_inflight is not None and self.total_inflight >= self.max_inflight:
-            return True
-        telemetry = self.fresh_telemetry
-        return telemetry is not None and (telemetry.waiting > max_waiting
-                                          or telemetry.kv_usage > max_kv_usage)
+    def load(self, now: float | None = None) -> EndpointLoad:
+        """A snapshot of this endpoint's load at `now` (routing takes one per endpoint per
+        decision and hands it to every filter, scorer and picker)."""
+        return EndpointLoad(self, time.monotonic() if now is None else now)
 
     @property
     def saturated(self) -> bool:
         """True when sending more work here would only queue it on the engine: the in-flight
         cap is reached, or fresh telemetry shows a queue or KV use above the limits."""
-        return self.saturated_by(self.limits.max_waiting, self.limits.max_kv_usage)
+        return self.load().saturated_by(self.limits.max_waiting, self.limits.max_kv_usage)
 
     @property
     def routable(self) -> bool:
@@ -205,6 +173,67 @@ class Endpoint:
     @property
     def health_path(self) -> str:
         return "/v1/models" if self.engine == "openai" else "/health"
+
+
+class EndpointLoad:
+    """One endpoint's load as one routing decision sees it: derived once per endpoint per
+    decision (`Endpoint.load`), then only read, so every filter, scorer and picker sees the same
+    numbers and a decision checks telemetry freshness once per endpoint.
+
+    The gateway's own accounting (this process, plus peer replicas' shared load) is corrected
+    upwards by fresh telemetry for work the gateway did not send:
+
+    - `queued_requests`: requests waiting for their first token (own count or engine's waiting)
+    - `queued_tokens`: prompt tokens still to prefill, own and peers', plus the engine's waiting
+      requests beyond those times the endpoint's mean prompt length
+    - `active_sequences`: decoding sequences (own count or engine's running)
+    - `kv_usage`: the engine's KV use, 0 without fresh telemetry
+    - `total_inflight`: requests in flight here from this process and its peers
+    - `requests`: `max(total_inflight, queued_requests + active_sequences)`, what pickers balance
+    """
+
+    __slots__ = ("active_sequences", "endpoint", "inflight", "kv_usage", "name",
+                 "queued_requests", "queued_tokens", "requests", "stale", "telemetry",
+                 "total_inflight")
+
+    def __init__(self, endpoint: Endpoint, now: float) -> None:
+        telemetry = endpoint.fresh_telemetry_at(now)
+        prefill = endpoint.prefill_requests
+        known = prefill + endpoint.peer_inflight  # peers' queued work is counted already
+        queued_tokens = float(endpoint.prefill_tokens + endpoint.peer_queued_tokens)
+        if telemetry is None:
+            queued = float(prefill)
+            active = float(endpoint.decoding)
+            kv_usage = 0.0
+        else:
+            waiting = telemetry.waiting
+            queued = max(float(prefill), waiting)
+            if waiting > known:
+                queued_tokens += (waiting - known) * endpoint.mean_prompt_tokens
+            active = max(float(endpoint.decoding), telemetry.running)
+            kv_usage = telemetry.kv_usage
+        total = endpoint.inflight + endpoint.peer_inflight
+        self.endpoint = endpoint
+        self.name = endpoint.name
+        self.telemetry = telemetry
+        self.stale = telemetry is None and endpoint.scraped
+        self.inflight = endpoint.inflight
+        self.total_inflight = total
+        self.queued_requests = queued
+        self.queued_tokens = queued_tokens
+        self.active_sequences = active
+        self.kv_usage = kv_usage
+        self.requests = max(float(total), queued + active)
+
+    def saturated_by(self, max_waiting: float, max_kv_usage: float) -> bool:
+        """The in-flight cap is reached, or fresh telemetry shows more than `max_waiting`
+        waiting requests or KV use above `max_kv_usage`. Pure."""
+        cap = self.endpoint.max_inflight
+        if cap is not None and self.total_inflight >= cap:
+            return True
+        telemetry = self.telemetry
+        return telemetry is not None and (telemetry.waiting > max_waiting
+                                          or telemetry.kv_usage > max_kv_usage)
 
 
 @dataclass(slots=True, eq=False)

@@ -1,7 +1,8 @@
 """Filters: which candidate endpoints may take a request at all.
 
 A filter is a plugin (see STYLE.md): a `NAME`, a `Params` model with defaults, a plain
-constructor, and registration in `gateway/routing/plugins.py`. Calling it is pure: it returns
+constructor, and registration in `gateway/routing/plugins.py`. Calling it is pure over the
+candidates' load snapshots (`EndpointLoad`, taken once per decision by the picker): it returns
 the candidates that pass, in their order, and changes nothing. The picker always applies
 `serves_model`, `healthy` and `breaker_admits` first; policies add the others.
 """
@@ -13,7 +14,7 @@ from typing import ClassVar, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.routing.endpoints import Endpoint
+from gateway.routing.endpoints import EndpointLoad
 from gateway.types import RequestContext
 
 
@@ -24,7 +25,8 @@ class Params(BaseModel):
 class Filter(Protocol):
     NAME: ClassVar[str]
 
-    def __call__(self, ctx: RequestContext, candidates: Sequence[Endpoint]) -> list[Endpoint]:
+    def __call__(self, ctx: RequestContext, candidates: Sequence[EndpointLoad]
+                 ) -> list[EndpointLoad]:
         """The candidates that pass, in order. Pure."""
         ...
 
@@ -36,8 +38,9 @@ class ServesModel:
     def __init__(self, params: Params | None = None) -> None:
         self.params = params or self.Params()
 
-    def __call__(self, ctx: RequestContext, candidates: Sequence[Endpoint]) -> list[Endpoint]:
-        return [e for e in candidates if ctx.model in e.models]
+    def __call__(self, ctx: RequestContext, candidates: Sequence[EndpointLoad]
+                 ) -> list[EndpointLoad]:
+        return [c for c in candidates if ctx.model in c.endpoint.models]
 
 
 class Healthy:
@@ -47,8 +50,9 @@ class Healthy:
     def __init__(self, params: Params | None = None) -> None:
         self.params = params or self.Params()
 
-    def __call__(self, ctx: RequestContext, candidates: Sequence[Endpoint]) -> list[Endpoint]:
-        return [e for e in candidates if e.healthy]
+    def __call__(self, ctx: RequestContext, candidates: Sequence[EndpointLoad]
+                 ) -> list[EndpointLoad]:
+        return [c for c in candidates if c.endpoint.healthy]
 
 
 class BreakerAdmits:
@@ -58,8 +62,9 @@ class BreakerAdmits:
     def __init__(self, params: Params | None = None) -> None:
         self.params = params or self.Params()
 
-    def __call__(self, ctx: RequestContext, candidates: Sequence[Endpoint]) -> list[Endpoint]:
-        return [e for e in candidates if e.breaker.admits()]
+    def __call__(self, ctx: RequestContext, candidates: Sequence[EndpointLoad]
+                 ) -> list[EndpointLoad]:
+        return [c for c in candidates if c.endpoint.breaker.admits()]
 
 
 class FreshTelemetry:
@@ -71,8 +76,9 @@ class FreshTelemetry:
     def __init__(self, params: Params | None = None) -> None:
         self.params = params or self.Params()
 
-    def __call__(self, ctx: RequestContext, candidates: Sequence[Endpoint]) -> list[Endpoint]:
-        return [e for e in candidates if not e.stale]
+    def __call__(self, ctx: RequestContext, candidates: Sequence[EndpointLoad]
+                 ) -> list[EndpointLoad]:
+        return [c for c in candidates if not c.stale]
 
 
 class NotSaturatedParams(Params):
@@ -93,11 +99,12 @@ class NotSaturated:
     def __init__(self, params: NotSaturatedParams | None = None) -> None:
         self.params = params or self.Params()
 
-    def __call__(self, ctx: RequestContext, candidates: Sequence[Endpoint]) -> list[Endpoint]:
+    def __call__(self, ctx: RequestContext, candidates: Sequence[EndpointLoad]
+                 ) -> list[EndpointLoad]:
         p = self.params
-        return [e for e in candidates if not e.saturated_by(
-            e.limits.max_waiting if p.max_waiting is None else p.max_waiting,
-            e.limits.max_kv_usage if p.max_kv_usage is None else p.max_kv_usage)]
+        return [c for c in candidates if not c.saturated_by(
+            c.endpoint.limits.max_waiting if p.max_waiting is None else p.max_waiting,
+            c.endpoint.limits.max_kv_usage if p.max_kv_usage is None else p.max_kv_usage)]
 
 
 class JurisdictionParams(Params):
@@ -114,12 +121,13 @@ class Jurisdiction:
     def __init__(self, params: JurisdictionParams | None = None) -> None:
         self.params = params or self.Params()
 
-    def __call__(self, ctx: RequestContext, candidates: Sequence[Endpoint]) -> list[Endpoint]:
+    def __call__(self, ctx: RequestContext, candidates: Sequence[EndpointLoad]
+                 ) -> list[EndpointLoad]:
         allowed = ctx.allowed_jurisdictions
         if allowed is None:
             return list(candidates)
         label = self.params.label
-        return [e for e in candidates if e.labels.get(label) in allowed]
+        return [c for c in candidates if c.endpoint.labels.get(label) in allowed]
 
 
 class LabelsParams(Params):
@@ -135,6 +143,8 @@ class Labels:
     def __init__(self, params: LabelsParams | None = None) -> None:
         self.params = params or self.Params()
 
-    def __call__(self, ctx: RequestContext, candidates: Sequence[Endpoint]) -> list[Endpoint]:
+    def __call__(self, ctx: RequestContext, candidates: Sequence[EndpointLoad]
+                 ) -> list[EndpointLoad]:
         match = self.params.match.items()
-        return [e for e in candidates if all(e.labels.get(k) == v for k, v in match)]
+        return [c for c in candidates
+                if all(c.endpoint.labels.get(k) == v for k, v in match)]

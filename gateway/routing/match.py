@@ -31,4 +31,6 @@ class PrefixMatch:
                    int(self.matched.get(endpoint, 0) * self.tokens_per_block))
 
     def uncached_tokens(self, endpoint: str) -> int:
-        return self.prompt_tokens - self.cached_tokens(endpoint)
+        """`prompt_tokens - cached_tokens(endpoint)` (one call: scorers use it per candidate)."""
+        return max(0, self.prompt_tokens
+                   - int(self.matched.get(endpoint, 0) * self.tokens_per_block))

@@ -3,6 +3,7 @@
     PoolRouter ── model → home pool ──▶ PolicyPicker (one per pool, its RoutingPolicy)
         candidates (routable, serving the model, in the profile's pools, not excluded)
         → prefix match computed once per request (producer; scorers only read it)
+        → one load snapshot per candidate (EndpointLoad), read by everything after it
         → filters → saturation (→ fallback pool / model, or queue / reject)
         → scorers, clamped and weighted here → picker → record the decision in the index
 """
@@ -10,6 +11,7 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -19,7 +21,7 @@ import orjson
 from gateway.config import Config
 from gateway.errors import NotFound, Overloaded
 from gateway.routing.affinity import SessionAffinity, session_key
-from gateway.routing.endpoints import Endpoint, Fleet
+from gateway.routing.endpoints import Endpoint, EndpointLoad, Fleet
 from gateway.routing.filters import NotSaturated
 from gateway.routing.match import PrefixMatch
 from gateway.routing.policy import RoutingPolicy, RoutingProfile, builtin_policy
@@ -109,7 +111,7 @@ class RoutingServices:
                    for k, v in ctx.client_headers)
 
 
-def weighted_scores(ctx: RequestContext, candidates: Sequence[Endpoint],
+def weighted_scores(ctx: RequestContext, candidates: Sequence[EndpointLoad],
                     scorers: Sequence[tuple[object, float]]
                     ) -> tuple[list[float], list[list[float]]]:
     """Each scorer's values clamped to [0, 1], and their weighted mean per candidate."""
@@ -117,10 +119,10 @@ def weighted_scores(ctx: RequestContext, candidates: Sequence[Endpoint],
     columns: list[list[float]] = []
     totals = [0.0] * len(candidates)
     for scorer, weight in scorers:
-        values = [min(1.0, max(0.0, v)) for v in scorer(ctx, candidates)]  # type: ignore[operator]
+        values = [0.0 if v < 0.0 else 1.0 if v > 1.0 else v
+                  for v in scorer(ctx, candidates)]  # type: ignore[operator]
         columns.append(values)
-        for i, v in enumerate(values):
-            totals[i] += weight * v
+        totals = [t + weight * v for t, v in zip(totals, values, strict=True)]
     return [t / total_weight for t in totals], columns
 
 
@@ -141,9 +143,11 @@ class PolicyPicker:
     def _choose(self, ctx: RequestContext, exclude: Collection[Endpoint],
                 profile: RoutingProfile, rule: str, pools: Collection[str] | None,
                 may_fall_back: bool) -> Endpoint:
-        candidates = routable_candidates(self.fleet, ctx.model, exclude, pools)
+        endpoints = routable_candidates(self.fleet, ctx.model, exclude, pools)
         if profile.uses_prefix:
-            self._prepare(ctx, candidates)
+            self._prepare(ctx, endpoints)
+        now = time.monotonic()
+        candidates = [EndpointLoad(e, now) for e in endpoints]  # one load snapshot each
         saturation = [f for f in profile.filters if isinstance(f, NotSaturated)]
         for keep in profile.filters:
             if not isinstance(keep, NotSaturated):
@@ -170,7 +174,7 @@ class PolicyPicker:
             available = candidates
         scores, columns = (weighted_scores(ctx, available, profile.scorers)
                            if profile.scorers else (None, []))
-        chosen = available[profile.picker(ctx, available, scores)]
+        chosen = available[profile.picker(ctx, available, scores)].endpoint
         self._record(ctx, chosen)
         if self.services.explain_allowed(ctx):
             ctx.response_headers.append((EXPLAIN_RESPONSE_HEADER, _explain(
@@ -202,17 +206,18 @@ def _switch_model(ctx: RequestContext, model: str) -> None:
     ctx.prefix = None  # hashes are seeded by the model
 
 
-def _explain(policy: str, rule: str, profile: RoutingProfile, candidates: Sequence[Endpoint],
+def _explain(policy: str, rule: str, profile: RoutingProfile,
+             candidates: Sequence[EndpointLoad],
              scores: Sequence[float] | None, columns: Sequence[Sequence[float]]) -> bytes:
     names = [s.NAME for s, _ in profile.scorers]
     parts = [f"policy={policy}; rule={rule}; objective={profile.objective}"]
-    for i, endpoint in enumerate(candidates):
-        fields = [endpoint.name]
+    for i, candidate in enumerate(candidates):
+        fields = [candidate.name]
         if scores is not None:
             fields.append(f"score={scores[i]:.3f}")
             fields += [f"{name}={column[i]:.3f}" for name, column in zip(names, columns,
                                                                        strict=True)]
-        fields.append(f"inflight={endpoint.inflight}")
+        fields.append(f"inflight={candidate.inflight}")
         parts.append(" ".join(fields))
     return "; ".join(parts).encode("ascii", "replace")
 

@@ -1,8 +1,10 @@
 """Pickers: the final choice among the candidates that passed the filters.
 
 A picker is a plugin (see STYLE.md): `NAME`, `Params` with defaults, a plain constructor,
-registration in `gateway/routing/plugins.py`. It gets the candidates and, when the policy has
-scorers, their weighted scores in [0, 1]; it returns the index of the chosen candidate.
+registration in `gateway/routing/plugins.py`. It gets the candidates' load snapshots
+(`EndpointLoad`) and, when the policy has scorers, their weighted scores in [0, 1]; it returns
+the index of the chosen candidate. Load means `EndpointLoad.requests`: the gateway's in-flight
+count, or the engine's own queued + running count when that is higher (work from elsewhere).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import ClassVar, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.routing.endpoints import Endpoint
+from gateway.routing.endpoints import EndpointLoad
 from gateway.types import RequestContext
 
 
@@ -24,17 +26,10 @@ class Params(BaseModel):
 class Picker(Protocol):
     NAME: ClassVar[str]
 
-    def __call__(self, ctx: RequestContext, candidates: Sequence[Endpoint],
+    def __call__(self, ctx: RequestContext, candidates: Sequence[EndpointLoad],
                  scores: Sequence[float] | None) -> int:
         """Index into `candidates` (never empty) of the endpoint to use."""
         ...
-
-
-def load_of(endpoint: Endpoint) -> float:
-    """Requests on the endpoint: the gateway's in-flight count, or the engine's own count of
-    queued + running requests when that is higher (work from elsewhere)."""
-    return max(float(endpoint.total_inflight),
-               endpoint.queued_requests + endpoint.active_sequences)
 
 
 class RandomParams(Params):
@@ -49,7 +44,7 @@ class RandomPicker:
         self.params = params or self.Params()
         self._rng = random.Random(self.params.seed)
 
-    def __call__(self, ctx: RequestContext, candidates: Sequence[Endpoint],
+    def __call__(self, ctx: RequestContext, candidates: Sequence[EndpointLoad],
                  scores: Sequence[float] | None) -> int:
         return self._rng.randrange(len(candidates))
 
@@ -64,7 +59,7 @@ class RoundRobinPicker:
         self.params = params or self.Params()
         self._turn: dict[str, int] = {}
 
-    def __call__(self, ctx: RequestContext, candidates: Sequence[Endpoint],
+    def __call__(self, ctx: RequestContext, candidates: Sequence[EndpointLoad],
                  scores: Sequence[float] | None) -> int:
         turn = self._turn.get(ctx.model, 0)
         self._turn[ctx.model] = turn + 1
@@ -72,7 +67,7 @@ class RoundRobinPicker:
 
 
 class LeastLoadedPicker:
-    """Fewest requests (`load_of`); ties broken at random."""
+    """Fewest requests (`EndpointLoad.requests`); ties broken at random."""
 
     NAME = "least_loaded"
     Params = RandomParams
@@ -81,9 +76,9 @@ class LeastLoadedPicker:
         self.params = params or self.Params()
         self._rng = random.Random(self.params.seed)
 
-    def __call__(self, ctx: RequestContext, candidates: Sequence[Endpoint],
+    def __call__(self, ctx: RequestContext, candidates: Sequence[EndpointLoad],
                  scores: Sequence[float] | None) -> int:
-        loads = [load_of(e) for e in candidates]
+        loads = [c.requests for c in candidates]
         least = min(loads)
         return self._rng.choice([i for i, load in enumerate(loads) if load == least])
 
@@ -113,9 +108,9 @@ class MaxScorePicker:
         p = self.params
         return high - low > p.imbalance_abs and high > p.imbalance_rel * low
 
-    def __call__(self, ctx: RequestContext, candidates: Sequence[Endpoint],
+    def __call__(self, ctx: RequestContext, candidates: Sequence[EndpointLoad],
                  scores: Sequence[float] | None) -> int:
-        loads = [load_of(e) for e in candidates]
+        loads = [c.requests for c in candidates]
         if scores is None or self.imbalanced(loads):
             least = min(loads)
             return self._rng.choice([i for i, load in enumerate(loads) if load == least])

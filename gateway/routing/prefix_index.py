@@ -41,7 +41,9 @@ class PrefixHasher:
     def hashes(self, text: str, model: str, salt: str | None = None) -> list[int]:
         """Hashes of the full blocks of `text`; element k names the first k + 1 blocks."""
         size = self.block_chars
-        data = text.encode()
+        # Only the first max_blocks blocks are hashed: encode no more characters than that
+        # (a character is at least one byte, so this still covers every hashed block).
+        data = text[: size * self.max_blocks].encode()
         count = min(len(data) // size, self.max_blocks)
         seed = f"{model}\x00{salt or ''}".encode()
         crc = zlib.crc32(seed)
@@ -99,7 +101,12 @@ class EndpointBlocks:
         """How many leading blocks of `hashes` are held (binary search over the chain)."""
         entries = self._entries
         oldest = now - self.ttl
-        low, high = 0, len(hashes)
+        if not hashes:
+            return 0
+        first = entries.get(hashes[0])
+        if first is None or first < oldest:
+            return 0  # the common case on a large fleet: one lookup, no search
+        low, high = 1, len(hashes)
         while low < high:
             middle = (low + high + 1) // 2
             touched = entries.get(hashes[middle - 1])

@@ -3,8 +3,9 @@
 A scorer is a plugin (see STYLE.md): `NAME`, a `Params` model with defaults, a plain
 constructor, registration in `gateway/routing/plugins.py`. Calling it is pure over precomputed
 data: the prefix match (`ctx.prefix`, computed once per request by the picker) and each
-endpoint's load view. It returns one value per candidate, higher is better, nominally in
-[0, 1]; the picker clamps and weights them centrally.
+candidate's load snapshot (`EndpointLoad`, taken once per decision by the picker). It returns
+one value per candidate, higher is better, nominally in [0, 1]; the picker clamps and weights
+them centrally.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import ClassVar, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.routing.endpoints import Endpoint
+from gateway.routing.endpoints import EndpointLoad
 from gateway.types import RequestContext
 
 
@@ -25,7 +26,8 @@ class Params(BaseModel):
 class Scorer(Protocol):
     NAME: ClassVar[str]
 
-    def __call__(self, ctx: RequestContext, candidates: Sequence[Endpoint]) -> list[float]:
+    def __call__(self, ctx: RequestContext, candidates: Sequence[EndpointLoad]
+                 ) -> list[float]:
         """One score per candidate, higher is better, in [0, 1]. Pure."""
         ...
 
@@ -48,11 +50,12 @@ class PrefixMatchScorer:
     def __init__(self, params: Params | None = None) -> None:
         self.params = params or self.Params()
 
-    def __call__(self, ctx: RequestContext, candidates: Sequence[Endpoint]) -> list[float]:
+    def __call__(self, ctx: RequestContext, candidates: Sequence[EndpointLoad]
+                 ) -> list[float]:
         prefix = ctx.prefix
         if prefix is None:
             return [0.0] * len(candidates)
-        return [prefix.match_ratio(e.name) for e in candidates]
+        return [prefix.match_ratio(c.name) for c in candidates]
 
 
 class QueueDepthScorer:
@@ -64,8 +67,9 @@ class QueueDepthScorer:
     def __init__(self, params: Params | None = None) -> None:
         self.params = params or self.Params()
 
-    def __call__(self, ctx: RequestContext, candidates: Sequence[Endpoint]) -> list[float]:
-        return _inverse_min_max([e.queued_requests for e in candidates])
+    def __call__(self, ctx: RequestContext, candidates: Sequence[EndpointLoad]
+                 ) -> list[float]:
+        return _inverse_min_max([c.queued_requests for c in candidates])
 
 
 class KvUsageScorer:
@@ -77,8 +81,9 @@ class KvUsageScorer:
     def __init__(self, params: Params | None = None) -> None:
         self.params = params or self.Params()
 
-    def __call__(self, ctx: RequestContext, candidates: Sequence[Endpoint]) -> list[float]:
-        return [1.0 - e.kv_usage for e in candidates]
+    def __call__(self, ctx: RequestContext, candidates: Sequence[EndpointLoad]
+                 ) -> list[float]:
+        return [1.0 - c.kv_usage for c in candidates]
 
 
 class InflightScorer:
@@ -90,8 +95,9 @@ class InflightScorer:
     def __init__(self, params: Params | None = None) -> None:
         self.params = params or self.Params()
 
-    def __call__(self, ctx: RequestContext, candidates: Sequence[Endpoint]) -> list[float]:
-        return _inverse_min_max([float(e.total_inflight) for e in candidates])
+    def __call__(self, ctx: RequestContext, candidates: Sequence[EndpointLoad]
+                 ) -> list[float]:
+        return _inverse_min_max([float(c.total_inflight) for c in candidates])
 
 
 class PredictedTtftParams(Params):
@@ -103,14 +109,18 @@ class PredictedTtftParams(Params):
     base_tokens: float = Field(150.0, gt=0)
 
 
-def predicted_cost_tokens(ctx: RequestContext, endpoint: Endpoint,
-                          params: PredictedTtftParams) -> float:
-    """Predicted time to first token in prefill-token units: the fixed step cost, the prompt
-    tokens not cached there, the prefill work queued ahead and the decoding sequences."""
+def predicted_cost_tokens(ctx: RequestContext, candidates: Sequence[EndpointLoad],
+                          params: PredictedTtftParams) -> list[float]:
+    """Predicted time to first token per candidate in prefill-token units: the fixed step
+    cost, the prompt tokens not cached there, the prefill work queued ahead and the decoding
+    sequences."""
     prefix = ctx.prefix
-    uncached = prefix.uncached_tokens(endpoint.name) if prefix is not None else 0
-    return (params.base_tokens + uncached + endpoint.queued_tokens
-            + params.decode_token_weight * endpoint.active_sequences)
+    base, per_sequence = params.base_tokens, params.decode_token_weight
+    if prefix is None:
+        return [base + c.queued_tokens + per_sequence * c.active_sequences for c in candidates]
+    uncached = prefix.uncached_tokens
+    return [base + uncached(c.name) + c.queued_tokens + per_sequence * c.active_sequences
+            for c in candidates]
 
 
 class PredictedTtftScorer:
@@ -122,8 +132,9 @@ class PredictedTtftScorer:
     def __init__(self, params: PredictedTtftParams | None = None) -> None:
         self.params = params or self.Params()
 
-    def __call__(self, ctx: RequestContext, candidates: Sequence[Endpoint]) -> list[float]:
-        costs = [predicted_cost_tokens(ctx, e, self.params) for e in candidates]
+    def __call__(self, ctx: RequestContext, candidates: Sequence[EndpointLoad]
+                 ) -> list[float]:
+        costs = predicted_cost_tokens(ctx, candidates, self.params)
         best = min(costs)
         return [best / c for c in costs]
 
@@ -142,15 +153,16 @@ class EndpointCostScorer:
     def __init__(self, params: EndpointCostParams | None = None) -> None:
         self.params = params or self.Params()
 
-    def _cost(self, endpoint: Endpoint) -> float:
+    def _cost(self, candidate: EndpointLoad) -> float:
         try:
-            value = float(endpoint.labels.get(self.params.label, self.params.default))
+            value = float(candidate.endpoint.labels.get(self.params.label, self.params.default))
         except ValueError:
             return self.params.default
         return value if value > 0 else self.params.default
 
-    def __call__(self, ctx: RequestContext, candidates: Sequence[Endpoint]) -> list[float]:
-        costs = [self._cost(e) for e in candidates]
+    def __call__(self, ctx: RequestContext, candidates: Sequence[EndpointLoad]
+                 ) -> list[float]:
+        costs = [self._cost(c) for c in candidates]
         cheapest = min(costs)
         return [cheapest / c for c in costs]
 
@@ -165,6 +177,7 @@ class SessionAffinityScorer:
     def __init__(self, params: Params | None = None) -> None:
         self.params = params or self.Params()
 
-    def __call__(self, ctx: RequestContext, candidates: Sequence[Endpoint]) -> list[float]:
+    def __call__(self, ctx: RequestContext, candidates: Sequence[EndpointLoad]
+                 ) -> list[float]:
         target = ctx.prefix.affinity if ctx.prefix is not None else None
-        return [1.0 if e.name == target else 0.0 for e in candidates]
+        return [1.0 if c.name == target else 0.0 for c in candidates]

@@ -1,6 +1,8 @@
-"""Each filter and scorer as a pure function over endpoints and a context (table-driven)."""
+"""Each filter and scorer as a pure function over load snapshots and a context (table-driven)."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
@@ -14,8 +16,13 @@ class Open:
         return False
 
 
-def _names(endpoints):
-    return [e.name for e in endpoints]
+def _names(loads):
+    return [c.name for c in loads]
+
+
+def _loads(endpoints):
+    now = time.monotonic()
+    return [e.load(now) for e in endpoints]
 
 
 FILTER_CASES = [
@@ -63,9 +70,10 @@ def test_filter(case, keep, candidates, fields, expected):
     request = ctx()
     for key, value in fields.items():
         setattr(request, key, value)
-    before = list(candidates)
-    assert _names(keep(request, candidates)) == expected
-    assert candidates == before  # pure
+    loads = _loads(candidates)
+    before = list(loads)
+    assert _names(keep(request, loads)) == expected
+    assert loads == before  # pure
 
 
 def _prefix(matched, blocks=4, prompt_tokens=64, affinity=None):
@@ -110,6 +118,6 @@ def test_scorer(case, scorer, candidates, prefix, expected):
     candidates = candidates()
     request = ctx()
     request.prefix = prefix
-    values = scorer(request, candidates)
+    values = scorer(request, _loads(candidates))
     assert values == pytest.approx(expected)
     assert all(0.0 <= v <= 1.0 for v in values)

@@ -184,10 +184,17 @@ def test_load_accounting_is_exactly_once_per_attempt():
 def test_telemetry_corrects_the_view_upwards_and_goes_stale():
     e = endpoint("a", prefill_requests=1, prefill_tokens=100, decoding=2)
     e.telemetry = telemetry(waiting=3, running=7, kv_usage=0.5)
-    assert (e.queued_requests, e.active_sequences, e.kv_usage) == (3, 7, 0.5)
-    assert e.queued_tokens == 100 + 2 * e.mean_prompt_tokens
+    load = e.load()
+    assert (load.queued_requests, load.active_sequences, load.kv_usage) == (3, 7, 0.5)
+    assert load.queued_tokens == 100 + 2 * e.mean_prompt_tokens
+    assert load.requests == 10 and not load.stale
+    e.peer_inflight, e.peer_queued_tokens = 2, 40  # another replica's queued work is known
+    assert e.load().queued_tokens == 100 + 40
+    assert e.load().total_inflight == 2
     e.telemetry = telemetry(age=60, waiting=3, running=7)
-    assert e.stale and (e.queued_requests, e.active_sequences, e.kv_usage) == (1, 2, 0.0)
+    load = e.load()
+    assert e.stale and load.stale
+    assert (load.queued_requests, load.active_sequences, load.kv_usage) == (1, 2, 0.0)
     assert e.routable  # stale policy `local` keeps it
     from gateway.routing.endpoints import EndpointLimits
     e.limits = EndpointLimits(stale_policy="exclude")
