@@ -9,12 +9,16 @@ kvgate's admission control, side by side on fresh identical fleets.
    fresh `kvgate serve`: open-loop Poisson arrivals at `load x capacity` for `duration` s.
    `admission`: endpoints capped at max_num_seqs in flight, classes from an `x-lane` header,
    batch deadline 20 s. `none`: `admission.enabled: false`, no in-flight cap (a plain proxy:
-   the engines queue everything, as vLLM does).
+   the engines queue everything, as vLLM does). Resilience defaults in both (the pool's
+   adaptive throttle on).
 3. Report, from each request's intended send time: interactive TTFT (first generated text)
-   percentiles and the share
-   within the SLO (2 s), how many requests of each class were shed (503) and completed, and
-   goodput = requests per second that completed within their SLO (interactive: first token
-   within 2 s; batch: finished within its 20 s deadline) as a share of capacity.
+   percentiles and the share within the SLO (2 s), how many requests of each class were shed
+   (503) and completed, batch work that was served but finished late or was cut at its
+   deadline, and goodput = requests per second that completed within their SLO (interactive:
+   first token within 2 s; batch: all tokens within its 20 s deadline) as a share of capacity.
+4. Whether the instruments were starved (`sampler.py`): engine `/health` round trips, CPU share
+   of the simulator, gateway and generator processes, the load average, and the generator's
+   own event-loop lag. `--dump FILE` keeps every request's result and the probe's samples.
 
 Also prints the classifier's cost per request (microbenchmark, in-process).
 """
@@ -138,7 +142,18 @@ async def _calibrate(urls: list[str], seconds: float) -> float:
     return sum(1 for t in finished if warm <= t <= stop_at) / (stop_at - warm)
 
 
-async def _open_loop(url: str, rate: float, seconds: float, seed: int) -> list[Result]:
+async def _loop_lag(lags: list[float], stop: asyncio.Event) -> None:
+    """The load generator's own event-loop lag (oversleep of 20 ms naps), in seconds: a lagging
+    generator sends late and reads late, which the results would blame on the gateway."""
+    loop = asyncio.get_running_loop()
+    while not stop.is_set():
+        before = loop.time()
+        await asyncio.sleep(0.02)
+        lags.append(loop.time() - before - 0.02)
+
+
+async def _open_loop(url: str, rate: float, seconds: float, seed: int,
+                     lags: list[float]) -> list[Result]:
     rng = random.Random(seed)
     arrivals: list[tuple[float, str]] = []
     t = 0.0
@@ -147,11 +162,16 @@ async def _open_loop(url: str, rate: float, seconds: float, seed: int) -> list[R
         if t >= seconds:
             break
         arrivals.append((t, "interactive" if rng.random() < INTERACTIVE_SHARE else "batch"))
-    async with _client() as client:
+    stop = asyncio.Event()
+    async with _client() as client, asyncio.TaskGroup() as tasks:
+        tasks.create_task(_loop_lag(lags, stop))
         origin = time.perf_counter() + 0.5
-        return list(await asyncio.gather(*(
-            _one(client, url + "/v1/chat/completions", lane, i, at, origin)
-            for i, (at, lane) in enumerate(arrivals))))
+        try:
+            return list(await asyncio.gather(*(
+                _one(client, url + "/v1/chat/completions", lane, i, at, origin)
+                for i, (at, lane) in enumerate(arrivals))))
+        finally:
+            stop.set()
 
 
 def _yaml_config(port: int, urls: list[str], admission: bool, cap: str) -> str:
@@ -296,9 +316,15 @@ def main() -> int:
             with gateway(config, port) as gw, Sampler(
                     urls, {"sim": sim.pid, "gateway": gw.pid, "loadgen": os.getpid()},
                     gateway_url if mode == "admission" else None) as sampler:
-                results = asyncio.run(_open_loop(gateway_url, rate, args.duration, seed=11))
+                lags: list[float] = []
+                results = asyncio.run(_open_loop(gateway_url, rate, args.duration, seed=11,
+                                                 lags=lags))
+        lags.sort()
         report[mode] = {**_summary(results, args.duration, capacity),
-                        "probe": sampler.summary()}
+                        "probe": {**sampler.summary(), "loadgen_lag_ms": {
+                            "p50": round(1000 * (_pct(lags, 0.5) or 0), 1),
+                            "p99": round(1000 * (_pct(lags, 0.99) or 0), 1),
+                            "max": round(1000 * (lags[-1] if lags else 0), 1)}}}
         dump[mode] = {"results": [vars(r) for r in results], "samples": sampler.samples}
         print(f"{mode}: {json.dumps(report[mode])}", flush=True)
     if args.dump is not None:

@@ -17,10 +17,11 @@ The dispatcher is one task owned by the controller. It runs when an admitted req
 when a request is queued, and every `recheck_interval` while anything waits (engine telemetry
 changes without any request finishing); it is idle otherwise. Before granting, a waiter whose
 remaining deadline is shorter than its predicted time to finish is refused (503): it never
-reaches an engine. The prediction is per model, from requests that finished: TTFT (EWMA of
-dispatch → first event) plus `max_tokens` x the time per output token (EWMA); a deadline
-shorter than the TTFT alone is the issue's rule, the token term keeps work that could only
-miss its deadline (and be cut off by the relay) off the engines. After each grant it lets the
+reaches an engine. The prediction is per model, from requests that finished (`predict.py`):
+TTFT (dispatch → first event) plus `max_tokens` x the time per output token, each on the slow
+side (mean plus `prediction_deviations` mean deviations); a deadline shorter than the TTFT
+alone is the issue's rule, the token term keeps work that could only miss its deadline (and be
+cut off by the relay) off the engines. After each grant it lets the
 granted request run up to its dispatch before testing saturation again, so one free slot is
 not handed out twice.
 
@@ -40,6 +41,7 @@ from functools import partial
 
 from gateway.chain.classify import Classifier
 from gateway.chain.intent import CLASS_RANK, CLASSES_BY_RANK, Intent
+from gateway.chain.predict import DurationPredictor
 from gateway.chain.queues import AdmissionQueue, QueueKey, Waiter
 from gateway.chain.quotas import QuotaExceeded, QuotaStore, QuotaTooSmall, Reservation
 from gateway.chain.settings import AdmissionConfig
@@ -51,7 +53,6 @@ from gateway.types import RequestContext
 
 log = logging.getLogger("kvgate.admission")
 
-_EWMA = 0.1
 _ALL_CLASSES = range(len(CLASSES_BY_RANK))
 _RATE_WINDOW = 64
 
@@ -85,8 +86,8 @@ class AdmissionController:
         self.queue = AdmissionQueue()
         self.active: dict[str, int] = {}
         self.queued: dict[str, int] = {}
-        self._ttft: dict[str, float] = {}
-        self._token_time: dict[str, float] = {}
+        self.predictor = DurationPredictor(config.initial_ttft, config.initial_token_time,
+                                           config.prediction_deviations)
         self._rate = _CompletionRate()
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -154,12 +155,12 @@ class AdmissionController:
         return not candidates or any(not e.saturated for e in candidates)
 
     def predicted_ttft(self, model: str) -> float:
-        return self._ttft.get(model, self.config.initial_ttft)
+        return self.predictor.ttft(model)
 
     def predicted_duration(self, model: str, output_tokens: int) -> float:
-        """Seconds from dispatch to the last token of a request for `output_tokens`."""
-        token_time = self._token_time.get(model, self.config.initial_token_time)
-        return self.predicted_ttft(model) + output_tokens * token_time
+        """Seconds from dispatch to the last token of a request for `output_tokens` (on the
+        slow side: see `predict.py`)."""
+        return self.predictor.duration(model, output_tokens)
 
     def _start(self, ctx: RequestContext, tenant: Tenant) -> None:
         self.active[tenant.name] = self.active.get(tenant.name, 0) + 1
@@ -170,14 +171,11 @@ class AdmissionController:
         now = time.perf_counter()
         self._rate.tick(now)
         if ctx.first_token_at is not None:
-            previous = self.predicted_ttft(ctx.model)
-            observed = max(0.0, ctx.first_token_at - started)
-            self._ttft[ctx.model] = previous + _EWMA * (observed - previous)
+            self.predictor.observe_ttft(ctx.model, ctx.first_token_at - started)
             tokens = _completion_tokens(ctx)
             if tokens > 1 and ctx.outcome == "ok":
-                previous = self._token_time.get(ctx.model, self.config.initial_token_time)
-                observed = (now - ctx.first_token_at) / (tokens - 1)
-                self._token_time[ctx.model] = previous + _EWMA * (observed - previous)
+                self.predictor.observe_token_time(
+                    ctx.model, (now - ctx.first_token_at) / (tokens - 1))
         if self._wake is not None and len(self.queue):
             self._wake.set()
 

@@ -182,13 +182,16 @@ class AdmissionConfig(_Strict):
     """Waiting for capacity in the gateway. `max_queued` bounds all queues together;
     `recheck_interval` is how often waiting requests re-test saturation (telemetry changes
     without any request finishing); `initial_ttft` and `initial_token_time` (seconds per
-    output token) seed the per-model predictions of time to first token and to finish."""
+    output token) seed the per-model predictions of time to first token and to finish;
+    `prediction_deviations` is how many mean deviations each predicted time adds to its mean
+    (a waiter is refused when its remaining deadline is shorter than the prediction)."""
 
     enabled: bool = True
     max_queued: int = Field(1024, ge=0)
     recheck_interval: float = Field(0.05, gt=0)
     initial_ttft: float = Field(0.5, ge=0)
     initial_token_time: float = Field(0.02, ge=0)
+    prediction_deviations: float = Field(4.0, ge=0)
     workflow_step_boost: float = Field(1.0, ge=0)
 
 

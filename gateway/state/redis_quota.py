@@ -203,10 +203,10 @@ class RedisQuotaStore:
                     await asyncio.sleep(self.link.breaker.open_for)
 
     async def _adjust_batch(self, client: object, batch: list[tuple[str, int, int]]) -> object:
-        pipe = client.pipeline(transaction=False)  # type: ignore[attr-defined]
-        for key, capacity, amount in batch:
-            await self._adjust(keys=[key], args=[capacity, amount], client=pipe)  # queues
-        return await pipe.execute()
+        async with client.pipeline(transaction=False) as pipe:  # type: ignore[attr-defined]
+            for key, capacity, amount in batch:
+                await self._adjust(keys=[key], args=[capacity, amount], client=pipe)  # queues
+            return await pipe.execute()
 
 
 def _share(limit: int | None, replicas: int) -> int | None:

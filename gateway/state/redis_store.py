@@ -5,7 +5,7 @@ Keys (all under `prefix`):
     {p}:snapshot:{topic}   hash {id: last stream id applied, d: snapshot bytes}
     {p}:snaplock:{topic}   SET NX PX lock: one replica writes the snapshot per interval
     {p}:stream:load        each replica's per-endpoint load, sent when it changes (checked
-                           every 25 ms) and at least every heartbeat; trimmed ~1000
+                           every 10 ms) and at least every heartbeat; trimmed ~1000
     {p}:replicas           sorted set replica → last heartbeat (ms); silent for 3 heartbeats =
                            gone, and its load is forgotten
 
@@ -36,7 +36,7 @@ log = logging.getLogger("kvgate.state")
 
 
 LOAD_TOPIC = "load"
-_LOAD_CHECK_SECONDS = 0.025
+_LOAD_CHECK_SECONDS = 0.01
 
 
 @dataclass(slots=True)
@@ -85,6 +85,7 @@ class RedisStore:
         self._topics: dict[str, _Topic] = {}
         self._pending: deque[tuple[str, bytes]] = deque()
         self._wake = asyncio.Event()
+        self._recovered = asyncio.Event()
         self._needs_resync = True
         self._load_source: LoadSource = dict
         self._load_sink: LoadSink = _ignore
@@ -149,6 +150,7 @@ class RedisStore:
 
     def _schedule_resync(self) -> None:
         self._needs_resync = True
+        self._recovered.set()
         self._wake.set()
 
     async def _resync(self) -> None:
@@ -186,16 +188,22 @@ class RedisStore:
                     while len(self._pending) > self.settings.max_pending:
                         self._pending.popleft()
                         self.stats.dropped += 1
-                    await asyncio.sleep(self.link.breaker.open_for)
+                    # Back off until the breaker may probe again, or until another loop sees
+                    # Redis come back; new deltas alone do not wake this.
+                    self._recovered.clear()
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(self.link.breaker.open_for):
+                            await self._recovered.wait()
+                    self._wake.set()
                     break
                 self.stats.published += len(batch)
 
     async def _xadd(self, client: object, batch: list[tuple[str, bytes]]) -> object:
-        pipe = client.pipeline(transaction=False)  # type: ignore[attr-defined]
-        for topic, delta in batch:
-            pipe.xadd(self._key("stream", topic), {"r": self.replica_id, "d": delta},
-                      maxlen=self._topics[topic].maxlen, approximate=True)
-        return await pipe.execute()
+        async with client.pipeline(transaction=False) as pipe:  # type: ignore[attr-defined]
+            for topic, delta in batch:
+                pipe.xadd(self._key("stream", topic), {"r": self.replica_id, "d": delta},
+                          maxlen=self._topics[topic].maxlen, approximate=True)
+            return await pipe.execute()
 
     async def _read_loop(self) -> None:
         block_ms = int(self.settings.read_block * 1000)
@@ -273,11 +281,11 @@ class RedisStore:
         replicas_key = self._key("replicas")
 
         async def beat(r: object) -> list[bytes]:
-            pipe = r.pipeline(transaction=False)  # type: ignore[attr-defined]
-            pipe.zadd(replicas_key, {self.replica_id: now_ms})
-            pipe.zremrangebyscore(replicas_key, 0, now_ms - ttl_ms)
-            pipe.zrangebyscore(replicas_key, now_ms - ttl_ms, "+inf")
-            return (await pipe.execute())[-1]
+            async with r.pipeline(transaction=False) as pipe:  # type: ignore[attr-defined]
+                pipe.zadd(replicas_key, {self.replica_id: now_ms})
+                pipe.zremrangebyscore(replicas_key, 0, now_ms - ttl_ms)
+                pipe.zrangebyscore(replicas_key, now_ms - ttl_ms, "+inf")
+                return (await pipe.execute())[-1]
 
         return {p.decode() for p in await self.link.call(beat)}
 
