@@ -44,6 +44,8 @@ class RequestContext:
     # Request chain (gateway/chain): who asks, what kind of work it is, and by when.
     tenant: Tenant | None = None
     key_id: str | None = None
+    # The client asked to see routing scores and may (gateway/chain/auth.py).
+    explain: bool = False
     intent: Intent | None = None
     tier: str = ""
     # Lower runs first: latency-class rank x 100 + tier priority (see docs/tenants.md).

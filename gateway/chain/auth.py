@@ -25,12 +25,23 @@ _DUMMY_DIGEST = secret_digest(b"kvgate-dummy-secret-for-unknown-key-ids")
 _SALTED_ROUTES = frozenset({"chat", "completions"})
 
 
+EXPLAIN_HEADER = b"x-kvgate-explain"
+ADMIN_KEY_HEADER = b"x-kvgate-admin-key"
+
+
 def _bearer_token(headers: Headers) -> bytes | None:
     for name, value in headers:
         if name == b"authorization":
             if value[:7].lower() == _BEARER:
                 return value[7:].strip()
             return b""
+    return None
+
+
+def _header(headers: Headers, wanted: bytes) -> bytes | None:
+    for name, value in headers:
+        if name == wanted:
+            return value.strip()
     return None
 
 
@@ -42,7 +53,10 @@ class Authenticator:
 
     def verify(self, headers: Headers) -> KeyRecord:
         """The key record of a valid, unrevoked key, or AuthenticationFailed."""
-        token = _bearer_token(headers)
+        return self.verify_token(_bearer_token(headers))
+
+    def verify_token(self, token: bytes | None) -> KeyRecord:
+        """`verify` for a key already taken from its header (None: no key was sent)."""
         if token is None:
             raise AuthenticationFailed(
                 "No API key provided: send 'Authorization: Bearer <key>'",
@@ -80,6 +94,8 @@ class AuthStage:
         self.authenticator = Authenticator(directory)
 
     async def __call__(self, ctx: RequestContext) -> None:
+        if _header(ctx.client_headers, EXPLAIN_HEADER) == b"1":
+            ctx.explain = self._operator(ctx.client_headers)
         if self.directory.open:
             ctx.tenant = self.directory.anonymous
             return
@@ -97,3 +113,18 @@ class AuthStage:
             ctx.payload["cache_salt"] = tenant.cache_salt
             ctx.body = orjson.dumps(ctx.payload)
             ctx.cache_salt = tenant.cache_salt
+
+    def _operator(self, headers: Headers) -> bool:
+        """Whether the request may see routing explanations: on an open gateway anyone may;
+        otherwise it must carry an admin key in `x-kvgate-admin-key` (401 if that key is
+        wrong: a credential that was sent is always checked)."""
+        if self.directory.open:
+            return True
+        token = _header(headers, ADMIN_KEY_HEADER)
+        if token is None:
+            return False
+        record = self.authenticator.verify_token(token)
+        if record.tenant is not None:
+            raise PermissionDenied(f"{ADMIN_KEY_HEADER.decode()} needs an admin key",
+                                   code="admin_key_required")
+        return True

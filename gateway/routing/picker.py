@@ -103,10 +103,13 @@ class RoutingServices:
         )
 
     def explain_allowed(self, ctx: RequestContext) -> bool:
-        """`always`, or never; `admin` waits for admin keys on inference routes (issue 5)
-        and so explains nothing yet."""
-        if self.explain != "always":
+        """`never`; `always` (anyone who sends `x-kvgate-explain: 1`); or `admin`: the auth
+        stage found `x-kvgate-explain: 1` with a valid admin key in `x-kvgate-admin-key`
+        (or the gateway is open) and set `ctx.explain`."""
+        if self.explain == "never":
             return False
+        if self.explain == "admin":
+            return ctx.explain
         return any(k == EXPLAIN_REQUEST_HEADER and v.strip() == b"1"
                    for k, v in ctx.client_headers)
 

@@ -151,3 +151,22 @@ def test_missing_auth_warns_loudly_and_auth_none_does_not(upstream, start_gatewa
     _, server = start_gateway(gateway_config([upstream[1].url], auth="none"))
     assert "NO AUTHENTICATION" not in caplog.text
     assert chat(server.url, "anything-at-all").status_code == 200
+
+
+@pytest.mark.parametrize(("admin_key", "status", "explained"), [
+    (None, 200, False),          # explain asked without an admin key: answered, not explained
+    (ADMIN, 200, True),
+    ("ops-1.wrong", 401, False),  # a credential that is sent is checked
+    (GOOD, 403, False),           # a tenant key is not an admin key
+])
+def test_explain_needs_an_admin_key(upstream, keyed, admin_key, status, explained):
+    engine, _ = upstream
+    headers = {"x-kvgate-explain": "1"}
+    if admin_key is not None:
+        headers["x-kvgate-admin-key"] = admin_key
+    response = chat(keyed.url, GOOD, headers=headers)
+    assert response.status_code == status
+    assert ("x-kvgate-route-explain" in response.headers) == explained
+    assert len(engine.inference_requests) == (1 if status == 200 else 0)
+    if explained:
+        assert "x-kvgate-admin-key" not in engine.inference_requests[0].headers
