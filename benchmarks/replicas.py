@@ -341,22 +341,24 @@ class Row:
 def table(rows: list[Row], ideal: dict[str, float]) -> str:
     lines = ["| workload | gateways x state | n | failed | TTFT p50 s | TTFT p90 s | TTFT p99 s "
              "| hit (cached_tokens) | hit (engine) | ideal hit | requests per engine "
-             "| max/mean | sim lag p99 ms | send lag p99 ms | machine CPU | gateways CPU |",
+             "| max/mean | sim lag p99 ms | send lag p99 ms | machine CPU (all users) "
+             "| gateways CPU |",
              "|" + "---|" * 16]
     for row in rows:
         s = row.stats
         lines.append(
             f"| {row.workload} | {row.setup.label} | {s['requests']} | {s['failed']} "
             f"| {_fmt(s['ttft_p50'], 3)} | {_fmt(s['ttft_p90'], 3)} | {_fmt(s['ttft_p99'], 3)} "
-            f"| {_fmt(s['hit_cached_tokens'])} | {_fmt(s['hit_engine'])} "
-            f"| {_fmt(ideal[row.workload])} | {'/'.join(map(str, s['loads']))} "
+            f"| {_fmt(s['hit_cached_tokens'], 3)} | {_fmt(s['hit_engine'], 3)} "
+            f"| {_fmt(ideal[row.workload], 3)} | {'/'.join(map(str, s['loads']))} "
             f"| {_fmt(s['max_over_mean_load'])} | {_fmt(s['sim_lag_p99_ms'], 0)} "
             f"| {_fmt(s['send_lag_p99_ms'], 0)} | {s['machine_cpu']:.0%} "
             f"| {s['gateway_cpu']:.0%} |")
     return "\n".join(lines)
 
 
-HIT_FLOOR = 0.95  # of the baseline's hit rate (issue 7's multi-replica test criterion)
+HIT_FLOOR = 0.95  # of the baseline's hit rate (issue 7's multi-replica test criterion) ...
+HIT_NOISE = 0.01  # ... unless within 1 point of prompt tokens (Mooncake reuses ~4%)
 P90_SLACK = 1.2  # x the baseline's TTFT p90 ...
 P90_NOISE = 0.02  # ... + 20 ms: run-to-run noise on this machine
 
@@ -373,12 +375,13 @@ def verdicts(rows: list[Row]) -> tuple[str, bool]:
             s = row.stats
             hit_ratio = (s["hit_cached_tokens"] / base["hit_cached_tokens"]
                          if base["hit_cached_tokens"] else math.nan)
-            hit_ok = math.isnan(hit_ratio) or hit_ratio >= HIT_FLOOR
+            hit_ok = (math.isnan(hit_ratio) or hit_ratio >= HIT_FLOOR
+                      or base["hit_cached_tokens"] - s["hit_cached_tokens"] <= HIT_NOISE)
             p90_ok = s["ttft_p90"] <= P90_SLACK * base["ttft_p90"] + P90_NOISE
             ok = hit_ok and p90_ok and s["failed"] <= base["failed"]
             degraded |= not ok
             lines.append(
-                f"- {workload}, {row.setup.label}: hit {s['hit_cached_tokens']:.2f} = "
+                f"- {workload}, {row.setup.label}: hit {s['hit_cached_tokens']:.3f} = "
                 f"{hit_ratio:.0%} of baseline, TTFT p90 {s['ttft_p90']:.3f} s vs "
                 f"{base['ttft_p90']:.3f} s ({s['ttft_p90'] / base['ttft_p90']:.2f}x), "
                 f"failed {s['failed']} → {'no degradation' if ok else 'DEGRADED'}")
@@ -396,8 +399,9 @@ def parse_args() -> argparse.Namespace:
                    help="gateway counts on Redis state, comma separated (the 1 x memory "
                         "baseline always runs)")
     p.add_argument("--workloads", default="shared,sessions,mooncake")
-    p.add_argument("--rate", type=float, default=8.0, help="arrivals per second")
-    p.add_argument("--requests", type=int, default=96, help="per workload")
+    p.add_argument("--rate", type=float, default=10.0, help="arrivals per second")
+    p.add_argument("--requests", type=int, default=160,
+                   help="per workload (shared: spread over --groups)")
     p.add_argument("--speed", type=float, default=1.0, help="simulator speed (1 = realistic)")
     p.add_argument("--spread", choices=["round_robin", "random"], default="round_robin",
                    help="how requests are spread over the replicas")
@@ -452,7 +456,8 @@ def main() -> int:
         f"{args.output_tokens} output tokens, streamed; requests spread {args.spread} over "
         "the gateways; one Redis for the run, a key prefix per row.", "",
         table(rows, ideal), "",
-        f"Against the 1 x memory baseline (degraded = hit < {HIT_FLOOR:.0%} of baseline, or "
+        f"Against the 1 x memory baseline (degraded = hit < {HIT_FLOOR:.0%} of baseline and "
+        f"more than {HIT_NOISE * 100:g} point below it, or "
         f"TTFT p90 > {P90_SLACK:g} x baseline + {P90_NOISE * 1000:.0f} ms, or more failures):",
         "", verdict, "",
         f"Verdict: {'degradation' if degraded else 'no degradation'} with more replicas.", ""])

@@ -96,7 +96,7 @@ def sessions(rate: float, args: argparse.Namespace) -> list[Planned]:
     starts = _poisson(count, rate / turns, rng)
     plans = []
     for s, start in enumerate(starts):
-        history = [{"role": "system", "content": words(rng, 512)}]
+        history = [{"role": "system", "content": words(rng, args.session_system_tokens)}]
         for t in range(turns):
             history = [*history, {"role": "user", "content": words(rng, 96)}]
             plans.append(Planned(start + t * gap, _chat(list(history), args.output_tokens,
@@ -106,7 +106,8 @@ def sessions(rate: float, args: argparse.Namespace) -> list[Planned]:
 
 
 def mooncake(rate: float, args: argparse.Namespace) -> list[Planned]:
-    lines = args.trace.read_text().splitlines()[: args.requests]
+    lines = args.trace.read_text().splitlines()[args.trace_offset: args.trace_offset
+                                                 + args.requests]
     rows = [json.loads(line) for line in lines]
     blocks: dict[int, str] = {}
 
@@ -319,6 +320,7 @@ def micro() -> dict[str, Any]:
     from gateway.routing.policy import builtin_policy
     from gateway.routing.prefix_index import EndpointBlocks, PrefixHasher
     from gateway.routing.settings import RoutingConfig
+    from gateway.routing.telemetry import EngineTelemetry
     from gateway.types import RequestContext
 
     rng = random.Random(3)
@@ -345,11 +347,23 @@ def micro() -> dict[str, Any]:
         return RequestContext(request_id="b", route="chat", upstream_path="/", client_headers=[],
                               body=b"", payload=payload, model=MODEL, stream=True)
 
+    def scrape() -> None:  # fresh telemetry and in-flight work on every endpoint
+        now = time.monotonic()
+        for e in endpoints:
+            e.telemetry = EngineTelemetry(scraped_at=now, waiting=float(rng.randrange(4)),
+                                          running=float(rng.randrange(40)),
+                                          kv_usage=rng.random() * 0.85)
+            e.inflight, e.peer_inflight = rng.randrange(30), rng.randrange(5)
+
+    scrape()
     for i in range(2000):  # warm the index: 32 system prompts spread over the fleet
         picker.choose(ctx(systems[i % 32] + words(rng, 2000)))
+    tails = [words(rng, 2000) for _ in range(50)]
     samples = []
     for i in range(3000):
-        request = ctx(systems[i % 32] + f" {i} " + words(rng, 2000))  # ≈ 8k tokens
+        if i % 100 == 0:
+            scrape()
+        request = ctx(systems[i % 32] + f" {i} " + tails[i % 50])  # ≈ 8k tokens
         t = time.perf_counter()
         picker.choose(request)
         samples.append((time.perf_counter() - t) * 1e6)
@@ -481,7 +495,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=96, help="sessions and mooncake")
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--turn-gap", type=float, default=3.0)
+    p.add_argument("--session-system-tokens", type=int, default=512)
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    p.add_argument("--trace-offset", type=int, default=0,
+                   help="first Mooncake row to replay (later rows reuse more)")
     p.add_argument("--block-chars", type=int, default=160,
                    help="text per Mooncake hash_id (512 tokens scaled to ~32)")
     p.add_argument("--micro", action="store_true", help="decision-cost microbenchmark only")
