@@ -414,6 +414,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output-tokens", type=int, default=32)
     p.add_argument("--turns", type=int, default=4, help="sessions: turns per session")
     p.add_argument("--turn-gap", type=float, default=3.0, help="sessions: seconds between turns")
+    p.add_argument("--session-system-tokens", type=int, default=512,
+                   help="sessions: system prompt")
+    p.add_argument("--trace-offset", type=int, default=0, help="mooncake: first trace line")
     p.add_argument("--block-chars", type=int, default=160,
                    help="mooncake: text per hash_id (512 tokens scaled to ~32)")
     p.add_argument("--no-results", action="store_true", help="do not append to RESULTS.md")

@@ -103,30 +103,23 @@ class InflightScorer:
 class PredictedTtftParams(Params):
     """`decode_token_weight`: prefill tokens one decoding sequence costs a new request's first
     step (step time per sequence ÷ prefill time per token, ≈ 2 on an 8B model);
-    `base_tokens`: the fixed cost of one engine step in prefill tokens (≈ 15 ms ÷ 0.1 ms);
-    `uncached_token_weight`: what each prompt token not cached on the endpoint counts. 1 is this
-    request's own wait only; above 1 also charges a cache miss for what it does to others: its
-    prefill delays every request queued behind it there, and its blocks evict cached prefixes.
-    With 2, a request leaves the endpoint holding its prefix only once that endpoint's queue is
-    ahead of another's by about twice the prefix (a hot prefix still spreads, without cascading
-    cold misses across a loaded fleet)."""
+    `base_tokens`: the fixed cost of one engine step in prefill tokens (≈ 15 ms ÷ 0.1 ms)."""
 
     decode_token_weight: float = Field(2.0, ge=0)
     base_tokens: float = Field(150.0, gt=0)
-    uncached_token_weight: float = Field(2.0, ge=1)
 
 
 def predicted_cost_tokens(ctx: RequestContext, candidates: Sequence[EndpointLoad],
                           params: PredictedTtftParams) -> list[float]:
     """Predicted time to first token per candidate in prefill-token units: the fixed step
-    cost, the prompt tokens not cached there (weighted), the prefill work queued ahead and the
-    decoding sequences."""
+    cost, the prompt tokens not cached there, the prefill work queued ahead and the decoding
+    sequences."""
     prefix = ctx.prefix
     base, per_sequence = params.base_tokens, params.decode_token_weight
     if prefix is None:
         return [base + c.queued_tokens + per_sequence * c.active_sequences for c in candidates]
-    uncached, miss = prefix.uncached_tokens, params.uncached_token_weight
-    return [base + miss * uncached(c.name) + c.queued_tokens + per_sequence * c.active_sequences
+    uncached = prefix.uncached_tokens
+    return [base + uncached(c.name) + c.queued_tokens + per_sequence * c.active_sequences
             for c in candidates]
 
 

@@ -97,17 +97,11 @@ SCORER_CASES = [
               endpoint("c", inflight=5)], None,
      [0.0, 1.0, 0.5]),
     ("predicted_ttft: cached beats cold", scorers.PredictedTtftScorer(
-        scorers.PredictedTtftScorer.Params(base_tokens=64, decode_token_weight=0,
-                                           uncached_token_weight=1)),
-     lambda: [endpoint("a"), endpoint("b")], _prefix({"a": 4, "b": 0}, prompt_tokens=64),
-     [1.0, 0.5]),
-    ("predicted_ttft: a cache miss is charged twice by default", scorers.PredictedTtftScorer(
         scorers.PredictedTtftScorer.Params(base_tokens=64, decode_token_weight=0)),
      lambda: [endpoint("a"), endpoint("b")], _prefix({"a": 4, "b": 0}, prompt_tokens=64),
-     [1.0, 64 / (64 + 2 * 64)]),
+     [1.0, 0.5]),
     ("predicted_ttft: queue outweighs cache", scorers.PredictedTtftScorer(
-        scorers.PredictedTtftScorer.Params(base_tokens=100, decode_token_weight=2,
-                                           uncached_token_weight=1)),
+        scorers.PredictedTtftScorer.Params(base_tokens=100, decode_token_weight=2)),
      lambda: [endpoint("a", prefill_tokens=200, decoding=14), endpoint("b")],
      _prefix({"a": 4, "b": 0}, prompt_tokens=64), [0.5, 1.0]),
     ("endpoint_cost", scorers.EndpointCostScorer(),
