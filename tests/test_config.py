@@ -37,7 +37,8 @@ def test_minimal_file_from_the_docs_loads_exactly_as_written(tmp_path):
     assert config.server.max_body_bytes == 10 * 1024 * 1024
 
 
-@pytest.mark.parametrize("path", ["config/single-node.yaml", "config/demo.yaml"])
+@pytest.mark.parametrize("path", ["config/single-node.yaml", "config/demo.yaml",
+                                  "config/multi-replica.yaml", "config/tenants.yaml"])
 def test_shipped_example_configs_load(path, monkeypatch):
     monkeypatch.setenv("ENGINE_API_KEY", "k")
     load_config(path)
