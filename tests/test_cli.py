@@ -116,13 +116,13 @@ def test_serve_runs_the_minimal_config_against_simulated_engines(tmp_path: Path)
             _wait_ready(base, proc)
             client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
             seen = set()
-            for _ in range(4):
+            for _ in range(20):  # ties between idle engines are broken at random
                 raw = client.chat.completions.with_raw_response.create(
                     model="sim-model", max_tokens=4,
                     messages=[{"role": "user", "content": "hello"}])
                 seen.add(raw.headers["x-kvgate-endpoint"])
                 assert raw.parse().choices[0].message.content
-            assert len(seen) == 2
+            assert seen == {"default-0", "default-1"}
             assert httpx.get(base + "/readyz").status_code == 200
         finally:
             _stop(proc)

@@ -25,7 +25,6 @@ from gateway.errors import KvgateError, MethodNotAllowed, NotFound
 from gateway.ingress import INFERENCE_ROUTES, ClientGone, parse_payload, read_body
 from gateway.types import RequestContext
 
-PREFIX = "/admin/"
 _EXPLAIN = "/admin/explain"
 _MAX_EXPLAIN_BODY = 1024 * 1024
 

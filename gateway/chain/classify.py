@@ -38,17 +38,18 @@ _STEP = re.compile(rb"\s*(\d{1,6})\s*(?:/\s*(\d{1,6})\s*)?")
 class _Request:
     """Lazily computed views of one request that rules may look at."""
 
-    __slots__ = ("_text", "ctx", "prompt_tokens")
+    __slots__ = ("_text", "ctx", "prompt_tokens", "texts")
 
-    def __init__(self, ctx: RequestContext, prompt_tokens: int) -> None:
+    def __init__(self, ctx: RequestContext, texts: list[str], prompt_tokens: int) -> None:
         self.ctx = ctx
+        self.texts = texts
         self.prompt_tokens = prompt_tokens
         self._text: str | None = None
 
     @property
     def text(self) -> str:
         if self._text is None:
-            self._text = "\n".join(_texts(self.ctx.route, self.ctx.payload))
+            self._text = "\n".join(self.texts)
         return self._text
 
     def header(self, name: bytes) -> bytes | None:
@@ -192,8 +193,9 @@ class Classifier:
         self.default_max_tokens = config.default_max_tokens
         self.chars_per_token = config.chars_per_token
 
-    def estimate_prompt_tokens(self, ctx: RequestContext) -> int:
-        chars = sum(len(t) for t in _texts(ctx.route, ctx.payload))
+    def estimate_prompt_tokens(self, ctx: RequestContext, texts: list[str]) -> int:
+        """Prompt tokens from the text pieces `_texts` found, plus any given as token ids."""
+        chars = sum(len(t) for t in texts)
         return math.ceil(chars / self.chars_per_token) + _token_ids(ctx.route, ctx.payload)
 
     def requested_output_tokens(self, ctx: RequestContext) -> int:
@@ -207,7 +209,8 @@ class Classifier:
         return int(limit) * (n if isinstance(n, int) and n > 1 else 1)
 
     def classify(self, ctx: RequestContext, tenant: Tenant) -> Intent:
-        request = _Request(ctx, self.estimate_prompt_tokens(ctx))
+        texts = _texts(ctx.route, ctx.payload)  # once: for the estimate and any text rule
+        request = _Request(ctx, texts, self.estimate_prompt_tokens(ctx, texts))
         rule = next((r for r in self.rules if r.matches(request)), None)
         latency_class: LatencyClass = tenant.default_class
         if rule is not None and rule.latency_class is not None:

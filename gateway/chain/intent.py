@@ -29,7 +29,8 @@ class Workflow:
 class Intent:
     """Deterministic summary of a request. `rule` names the rule that set the class (None:
     the tier's default); `capped` is True when the tier lowered the class a rule asked for.
-    `deadline` is seconds from arrival; `prompt_tokens` is an estimate (characters / 4)."""
+    `deadline` is seconds from arrival; `prompt_tokens` is an estimate (characters /
+    `classification.chars_per_token`, plus prompt tokens given as ids)."""
 
     model: str
     latency_class: LatencyClass

@@ -1,6 +1,6 @@
 """The request chain: where a request is refused, where it waits and where it is sent.
 
-    ingress (app) → [stages: pick] → forward → settle
+    ingress (app) → [stages: auth → classify → admit → pick] → forward → settle
 
 Stages run in order over one RequestContext; the first that raises a KvgateError stops the
 chain, its error goes to the client (before the commit point), and every resource taken so far

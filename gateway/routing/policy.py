@@ -34,7 +34,6 @@ OBJECTIVE_SCORERS: dict[str, list[tuple[str, float]]] = {
                  ("kv_usage", 1.0), ("endpoint_cost", 1.0), ("session_affinity", 0.5)],
 }
 DEFAULT_FILTERS = ("jurisdiction", "not_saturated")
-MANDATORY_FILTERS = ("serves_model", "healthy", "breaker_admits")
 
 
 class PolicyError(Exception):
