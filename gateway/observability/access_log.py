@@ -28,13 +28,19 @@ class AccessLog:
             "route": ctx.route,
             "model": ctx.model,
             "stream": ctx.stream,
+            "tenant": ctx.tenant.name if ctx.tenant else None,
+            "key_id": ctx.key_id,
             "endpoint": ctx.endpoint.name if ctx.endpoint else None,
+            "attempts": ctx.attempts,
             "status": ctx.status,
             "outcome": ctx.outcome,
             "duration_ms": round((time.perf_counter() - ctx.started) * 1000, 3),
         }
         if ctx.first_token_at is not None:
             record["ttft_ms"] = round((ctx.first_token_at - ctx.started) * 1000, 3)
+        if ctx.resumes:
+            record["resumes"] = ctx.resumes
+            record["resume_overhead_tokens"] = ctx.resume_overhead_tokens
         if ctx.usage is not None:
             record["usage"] = {k: v for k, v in ctx.usage.items()
                                if k in ("prompt_tokens", "completion_tokens")}

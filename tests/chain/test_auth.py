@@ -4,6 +4,7 @@ keys; unknown ids and wrong secrets are answered alike; no secret is ever logged
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import statistics
 import time
@@ -176,3 +177,27 @@ def test_explain_needs_an_admin_key(upstream, keyed, admin_key, status, explaine
     assert len(engine.inference_requests) == (1 if status == 200 else 0)
     if explained:
         assert "x-kvgate-admin-key" not in engine.inference_requests[0].headers
+
+
+def test_access_log_names_tenant_key_and_endpoint_never_secret_or_prompt(upstream,
+                                                                          start_gateway,
+                                                                          caplog):
+    _, server = start_gateway(gateway_config([upstream[1].url], auth=_auth(),
+                                             pool={"models": ["m1"]},
+                                             server={"access_log": True}))
+    with caplog.at_level(logging.INFO, logger="kvgate.access"):
+        response = httpx.post(server.url + "/v1/chat/completions", timeout=10,
+                              headers={"authorization": f"Bearer {GOOD}"},
+                              json={"model": "m1", "messages": [
+                                  {"role": "user", "content": "my private prompt"}]})
+        assert response.status_code == 200
+        deadline = time.monotonic() + 5
+        while not any(r.name == "kvgate.access" for r in caplog.records):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    line = next(r.getMessage() for r in caplog.records if r.name == "kvgate.access")
+    record = json.loads(line)
+    assert record["request_id"] == response.headers["x-request-id"]
+    assert (record["tenant"], record["key_id"], record["status"]) == ("acme", "acme-1", 200)
+    assert record["endpoint"] == "default-0" and record["attempts"] == 1
+    assert GOOD.partition(".")[2] not in line and "private prompt" not in line
