@@ -16,6 +16,14 @@ if TYPE_CHECKING:
 Headers = list[tuple[bytes, bytes]]
 
 
+def header_value(headers: Headers, name: bytes) -> bytes | None:
+    """The first value of header `name` (lower-case, as ASGI gives names), or None."""
+    for key, value in headers:
+        if key == name:
+            return value
+    return None
+
+
 @dataclass(slots=True)
 class RequestContext:
     """One request on its way through the chain; each stage reads it and fills in its part.

@@ -15,7 +15,8 @@ import orjson
 from gateway.chain.keys import digests_match, parse_key, secret_digest
 from gateway.chain.tenants import KeyRecord, TenantDirectory
 from gateway.errors import AuthenticationFailed, PermissionDenied
-from gateway.types import Headers, RequestContext
+from gateway.routing.picker import EXPLAIN_REQUEST_HEADER
+from gateway.types import Headers, RequestContext, header_value
 
 log = logging.getLogger("kvgate.auth")
 
@@ -25,7 +26,6 @@ _DUMMY_DIGEST = secret_digest(b"kvgate-dummy-secret-for-unknown-key-ids")
 _SALTED_ROUTES = frozenset({"chat", "completions"})
 
 
-EXPLAIN_HEADER = b"x-kvgate-explain"
 ADMIN_KEY_HEADER = b"x-kvgate-admin-key"
 
 
@@ -35,13 +35,6 @@ def _bearer_token(headers: Headers) -> bytes | None:
             if value[:7].lower() == _BEARER:
                 return value[7:].strip()
             return b""
-    return None
-
-
-def _header(headers: Headers, wanted: bytes) -> bytes | None:
-    for name, value in headers:
-        if name == wanted:
-            return value.strip()
     return None
 
 
@@ -94,7 +87,8 @@ class AuthStage:
         self.authenticator = Authenticator(directory)
 
     async def __call__(self, ctx: RequestContext) -> None:
-        if _header(ctx.client_headers, EXPLAIN_HEADER) == b"1":
+        explain = header_value(ctx.client_headers, EXPLAIN_REQUEST_HEADER)
+        if explain is not None and explain.strip() == b"1":
             ctx.explain = self._operator(ctx.client_headers)
         if self.directory.open:
             ctx.tenant = self.directory.anonymous
@@ -120,9 +114,10 @@ class AuthStage:
         wrong: a credential that was sent is always checked)."""
         if self.directory.open:
             return True
-        token = _header(headers, ADMIN_KEY_HEADER)
+        token = header_value(headers, ADMIN_KEY_HEADER)
         if token is None:
             return False
+        token = token.strip()
         record = self.authenticator.verify_token(token)
         if record.tenant is not None:
             raise PermissionDenied(f"{ADMIN_KEY_HEADER.decode()} needs an admin key",

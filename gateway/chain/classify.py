@@ -26,7 +26,7 @@ from gateway.chain.settings import (
 )
 from gateway.chain.tenants import Tenant
 from gateway.errors import InvalidRequest
-from gateway.types import Headers, RequestContext
+from gateway.types import Headers, RequestContext, header_value
 
 WORKFLOW_ID_HEADER = b"x-kvgate-workflow-id"
 WORKFLOW_STEP_HEADER = b"x-kvgate-workflow-step"
@@ -53,7 +53,7 @@ class _Request:
         return self._text
 
     def header(self, name: bytes) -> bytes | None:
-        return _header(self.ctx.client_headers, name)
+        return header_value(self.ctx.client_headers, name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,16 +141,9 @@ def _token_ids(route: str, payload: dict[str, Any]) -> int:
     return 0
 
 
-def _header(headers: Headers, name: bytes) -> bytes | None:
-    for key, value in headers:
-        if key == name:
-            return value
-    return None
-
-
 def _workflow(headers: Headers) -> Workflow | None:
-    raw_id = _header(headers, WORKFLOW_ID_HEADER)
-    raw_step = _header(headers, WORKFLOW_STEP_HEADER)
+    raw_id = header_value(headers, WORKFLOW_ID_HEADER)
+    raw_step = header_value(headers, WORKFLOW_STEP_HEADER)
     if raw_id is None and raw_step is None:
         return None
     if raw_id is None or not _WORKFLOW_ID.fullmatch(raw_id):
@@ -171,7 +164,7 @@ def _workflow(headers: Headers) -> Workflow | None:
 
 
 def _client_deadline(headers: Headers) -> float | None:
-    raw = _header(headers, DEADLINE_HEADER)
+    raw = header_value(headers, DEADLINE_HEADER)
     if raw is None:
         return None
     try:
