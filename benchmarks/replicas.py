@@ -51,7 +51,7 @@ from routing import (
     WORKLOADS,
     Planned,
     gateway_yaml,
-    ideal_hit_rate,
+    ideal_reuse,
     machine,
     sim_fleet,
 )
@@ -437,7 +437,7 @@ def main() -> int:
                 print(f"skipping mooncake: {args.trace} not found", flush=True)
                 continue
             plans = WORKLOADS[workload](args.rate, args)
-            ideal[workload] = ideal_hit_rate(plans)
+            ideal[workload] = ideal_reuse(plans)[0]
             for setup in setups:
                 row = Row(workload, setup, run_setup(args, workload, setup, plans, redis_url))
                 rows.append(row)

@@ -10,12 +10,17 @@ For each workload x rate x policy: start a fresh simulated fleet (realistic prof
 and a gateway whose pool uses that policy, replay the workload open-loop (latency measured from
 each request's intended send time), then read the engines' counters. Workloads:
   shared   groups of prompts sharing a long system prompt (`--groups` x `--per-group`)
-  sessions multi-turn chats whose context grows turn by turn
-  mooncake the Mooncake synthetic trace (`--trace`): each hash_id becomes a fixed block of
-           synthetic text (`--block-chars`), so shared ids are shared text; lengths scaled down
-The ideal hit rate is what one engine with an infinite cache would reuse (prefix blocks seen
-before, in arrival order). Simulator lag (event-loop oversleep in the fleet process) is
-reported so a CPU-bound run shows itself.
+  sessions multi-turn chats whose context grows turn by turn (`--requests` / `--turns`
+           sessions, each with its own system prompt, a turn every `--turn-gap` seconds, as an
+           agent loop does; the `user` field names the session)
+  mooncake the Mooncake synthetic trace (`--trace`, default ../shared/data/mooncake/, from
+           github.com/kvcache-ai/Mooncake, see that folder's SOURCES.md): each hash_id becomes
+           a fixed block of synthetic text (`--block-chars`), so shared ids are shared text;
+           lengths scaled down (a 512-token hash block becomes ~32 tokens)
+The defaults size every workload so that its reusable working set exceeds one engine's KV
+cache and fits the fleet's (printed with the results). The ideal hit rate is what one engine
+with an infinite cache would reuse (prefix blocks seen before, in arrival order). Simulator lag
+(event-loop oversleep in the fleet process) is reported so a CPU-bound run shows itself.
 """
 
 from __future__ import annotations
@@ -50,6 +55,9 @@ BENCH_DIR = Path(__file__).resolve().parent
 DEFAULT_TRACE = Path("/work/shared/data/mooncake/synthetic_trace.jsonl")
 MODEL = "sim-model"
 POLICIES = ["random", "round_robin", "least_loaded", "kvgate"]
+# The low rate is the unloaded reference; the high one is where round-robin's TTFT p90 is well
+# past 5x its unloaded value on this benchmark's fleet (4 engines, speed 2, 1,400 KV blocks).
+DEFAULT_RATES = "shared=12,40;sessions=12,80;mooncake=8,60"
 _WORD_TEXT = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike "
               "november oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee "
               "zulu engine cache token prefix router stream window batch")
@@ -138,13 +146,15 @@ def _poisson(count: int, rate: float, rng: random.Random) -> list[float]:
     return out
 
 
-def ideal_hit_rate(plans: list[Planned], block_chars: int = 64) -> float:
-    """Fraction of prompt text a single engine with an infinite cache would reuse."""
+def ideal_reuse(plans: list[Planned], block_chars: int = 64) -> tuple[float, int]:
+    """The fraction of prompt text one engine with an infinite cache would reuse, and the
+    reusable working set: distinct blocks (≈ 16 tokens, one KV block) reused at least once."""
     from gateway.routing.prefix_index import PrefixHasher
     from gateway.routing.prompt_text import prompt_text
 
     hasher = PrefixHasher(block_chars, max_blocks=1_000_000)
     seen: set[int] = set()
+    reused_blocks: set[int] = set()
     reused = total = 0
     for plan in plans:
         text = prompt_text(plan.body)
@@ -152,10 +162,11 @@ def ideal_hit_rate(plans: list[Planned], block_chars: int = 64) -> float:
         depth = 0
         while depth < len(hashes) and hashes[depth] in seen:
             depth += 1
+        reused_blocks.update(hashes[:depth])
         reused += depth * block_chars
         total += len(text.encode())
         seen.update(hashes)
-    return reused / total if total else 0.0
+    return (reused / total if total else 0.0), len(reused_blocks)
 
 
 # --- processes -----------------------------------------------------------------------------
@@ -479,29 +490,43 @@ def machine() -> str:
     return f"{os.cpu_count()} cores ({cpu}), Python {platform.python_version()}"
 
 
+def workload_rates(spec: str, workload: str) -> list[float]:
+    """`12,40` (every workload) or `shared=12,40;sessions=12,80` (per workload)."""
+    if "=" not in spec:
+        return [float(r) for r in spec.split(",")]
+    for part in spec.split(";"):
+        name, _, rates = part.partition("=")
+        if name.strip() == workload:
+            return [float(r) for r in rates.split(",")]
+    raise SystemExit(f"--rates names no rates for the workload '{workload}'")
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workloads", default="shared,sessions,mooncake")
     p.add_argument("--policies", default=",".join(POLICIES))
-    p.add_argument("--rates", default="2,6,10", help="req/s, comma separated")
+    p.add_argument("--rates", default=DEFAULT_RATES,
+                   help="req/s: '12,40' for every workload or 'shared=12,40;sessions=...'; the "
+                        "lowest rate is the unloaded reference")
     p.add_argument("--engines", type=int, default=4)
-    p.add_argument("--speed", type=float, default=1.0)
-    p.add_argument("--kv-blocks", type=int, default=700, help="per engine, 16 tokens each")
+    p.add_argument("--speed", type=float, default=2.0)
+    p.add_argument("--kv-blocks", type=int, default=1400, help="per engine, 16 tokens each")
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--groups", type=int, default=8)
-    p.add_argument("--per-group", type=int, default=12)
+    p.add_argument("--groups", type=int, default=16)
+    p.add_argument("--per-group", type=int, default=32)
     p.add_argument("--system-tokens", type=int, default=2048)
     p.add_argument("--output-tokens", type=int, default=32)
-    p.add_argument("--requests", type=int, default=96, help="sessions and mooncake")
-    p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--turn-gap", type=float, default=3.0)
-    p.add_argument("--session-system-tokens", type=int, default=512)
+    p.add_argument("--requests", type=int, default=384, help="sessions and mooncake")
+    p.add_argument("--turns", type=int, default=12)
+    p.add_argument("--turn-gap", type=float, default=0.4, help="seconds between a session's turns")
+    p.add_argument("--session-system-tokens", type=int, default=1024)
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
-    p.add_argument("--trace-offset", type=int, default=0,
+    p.add_argument("--trace-offset", type=int, default=3712,
                    help="first Mooncake row to replay (later rows reuse more)")
     p.add_argument("--block-chars", type=int, default=160,
                    help="text per Mooncake hash_id (512 tokens scaled to ~32)")
     p.add_argument("--micro", action="store_true", help="decision-cost microbenchmark only")
+    p.add_argument("--no-micro", action="store_true", help="skip the decision-cost microbenchmark")
     p.add_argument("--out", type=Path, default=BENCH_DIR / "routing")
     p.add_argument("--no-results", action="store_true", help="do not append to RESULTS.md")
     p.add_argument("--serve-sim", action="store_true", help=argparse.SUPPRESS)
@@ -514,19 +539,19 @@ def main() -> int:
     if args.serve_sim:
         serve_sim(args)
         return 0
-    micro_out = micro()
+    micro_out = {} if args.no_micro else micro()
     print(json.dumps(micro_out, indent=1), flush=True)
     rows: list[Row] = []
     ideal: dict[str, float] = {}
+    working_sets: dict[str, int] = {}
     if not args.micro:
-        rates = [float(r) for r in args.rates.split(",")]
         for workload in args.workloads.split(","):
             if workload == "mooncake" and not args.trace.exists():
                 print(f"skipping mooncake: {args.trace} not found", flush=True)
                 continue
-            for rate in rates:
+            for rate in workload_rates(args.rates, workload):
                 plans = WORKLOADS[workload](rate, args)
-                ideal[workload] = ideal_hit_rate(plans)
+                ideal[workload], working_sets[workload] = ideal_reuse(plans)
                 for policy in args.policies.split(","):
                     row = Row(workload, rate, policy, run_one(args, workload, rate, policy, plans))
                     rows.append(row)
@@ -538,17 +563,24 @@ def main() -> int:
     command = "python benchmarks/routing.py " + " ".join(sys.argv[1:])
     section = [f"## Routing quality and decision cost ({datetime.date.today()})", "",
                f"Machine: {machine()}. Command: `{command}`", "",
-               "Decision cost (µs): " + ", ".join(
-                   f"{k} p50 {v['p50']:.0f} / p99 {v['p99']:.0f}" for k, v in micro_out.items()
-                   if isinstance(v, dict))
-               + f"; prefix index ≈ {micro_out['index_bytes_per_entry']:.0f} B per entry.", ""]
+               ]
+    if micro_out:
+        section += ["Decision cost (µs): " + ", ".join(
+            f"{k} p50 {v['p50']:.0f} / p99 {v['p99']:.0f}" for k, v in micro_out.items()
+            if isinstance(v, dict))
+            + f"; prefix index ≈ {micro_out['index_bytes_per_entry']:.0f} B per entry.", ""]
     if rows:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         png = args.out.with_suffix(".png")
         plotted = plot(rows, png)
         section += [f"{args.engines} engines, speed {args.speed}, {args.kv_blocks} KV blocks "
                     f"each, max_num_seqs {args.max_num_seqs}, {args.output_tokens} output "
-                    "tokens.", "", table(rows, ideal), "", "Targets:", "",
+                    "tokens. Reusable working set (distinct 16-token blocks reused at least "
+                    "once) against one engine's KV and the fleet's: " + "; ".join(
+                        f"{w} {n} blocks ({n / args.kv_blocks:.1f}x one engine, "
+                        f"{n / (args.kv_blocks * args.engines):.0%} of the fleet)"
+                        for w, n in working_sets.items()) + ".",
+                    "", table(rows, ideal), "", "Targets:", "",
                     targets(rows, ideal), ""]
         if plotted:
             section += [f"![routing]({png.name})", ""]

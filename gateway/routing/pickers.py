@@ -87,11 +87,18 @@ class MaxScoreParams(Params):
     """`tie_margin`: scores within this of the best are near ties, decided by power of two
     choices on load. Imbalance gate (SGLang's cache-aware router does the same): when the most
     loaded candidate has more than `imbalance_abs` requests above the least loaded one and more
-    than `imbalance_rel` times its load, scores are ignored and the least loaded one wins."""
+    than `imbalance_rel` times its load, scores are ignored and the least loaded one wins.
+
+    The gate is what stops a sticky placement (a session, a hot prefix) from overloading one
+    engine: a loaded engine's queue grows faster than its queued prefill tokens show, because
+    its requests wait for batch slots and KV, not only for prefill. Defaults 16 and 1.25 were
+    chosen on the routing benchmark (engines of 64 sequences): 32 and 1.5 let one engine in
+    four collapse in some runs of the sessions workload; raise `imbalance_abs` for engines
+    that batch many more sequences."""
 
     tie_margin: float = Field(0.02, ge=0, le=1)
-    imbalance_abs: float = Field(32, ge=0)
-    imbalance_rel: float = Field(1.5, ge=1)
+    imbalance_abs: float = Field(16, ge=0)
+    imbalance_rel: float = Field(1.25, ge=1)
     seed: int | None = None
 
 

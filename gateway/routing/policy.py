@@ -281,9 +281,19 @@ def load_policy(path: str | Path) -> RoutingPolicy:
     return build_policy(data, source)
 
 
+# kvgate's default: the latency objective, with a saturation filter that only drops an endpoint
+# whose queue is far beyond what its predicted-TTFT cost already prices. With the endpoints' own
+# limit (5 waiting, when admission starts holding requests) a group left its prefix holder at
+# the first short queue and the fleet thrashed its caches (benchmarks/RESULTS.md).
+KVGATE_POLICY: dict[str, Any] = {
+    "name": "kvgate", "objective": "latency",
+    "filters": ["jurisdiction", {"type": "not_saturated", "params": {"max_waiting": 32}}],
+}
+
+
 def builtin_policy(name: str) -> RoutingPolicy:
     """`random`, `round_robin`, `least_loaded` (no scorers, engines queue) or `kvgate`."""
     if name == "kvgate":
-        return build_policy({"name": "kvgate", "objective": "latency"}, "<builtin:kvgate>")
+        return build_policy(KVGATE_POLICY, "<builtin:kvgate>")
     return build_policy({"name": name, "filters": ["jurisdiction"], "scorers": [],
                          "picker": name}, f"<builtin:{name}>")

@@ -103,23 +103,31 @@ class InflightScorer:
 class PredictedTtftParams(Params):
     """`decode_token_weight`: prefill tokens one decoding sequence costs a new request's first
     step (step time per sequence ÷ prefill time per token, ≈ 2 on an 8B model);
-    `base_tokens`: the fixed cost of one engine step in prefill tokens (≈ 15 ms ÷ 0.1 ms)."""
+    `base_tokens`: the fixed cost of one engine step in prefill tokens (≈ 15 ms ÷ 0.1 ms);
+    `miss_weight`: what one prompt token the endpoint does not hold costs, in prefill tokens.
+    Above 1 it prices what a cold prefill does to everyone else: the engine spends the compute
+    (1) and the new blocks push out cached prefixes that later requests would reuse (≈ 1 more).
+    At 1 the cost is this request's own time to first token alone, and under load a group moves
+    off its prefix holder as soon as the queue there outgrows one cold prefill elsewhere: every
+    engine ends up prefilling every prefix (measured in benchmarks/RESULTS.md)."""
 
     decode_token_weight: float = Field(2.0, ge=0)
     base_tokens: float = Field(150.0, gt=0)
+    miss_weight: float = Field(2.0, ge=1)
 
 
 def predicted_cost_tokens(ctx: RequestContext, candidates: Sequence[EndpointLoad],
                           params: PredictedTtftParams) -> list[float]:
     """Predicted time to first token per candidate in prefill-token units: the fixed step
-    cost, the prompt tokens not cached there, the prefill work queued ahead and the decoding
-    sequences."""
+    cost, the prompt tokens not cached there (times `miss_weight`), the prefill work queued
+    ahead and the decoding sequences."""
     prefix = ctx.prefix
     base, per_sequence = params.base_tokens, params.decode_token_weight
     if prefix is None:
         return [base + c.queued_tokens + per_sequence * c.active_sequences for c in candidates]
     uncached = prefix.uncached_tokens
-    return [base + uncached(c.name) + c.queued_tokens + per_sequence * c.active_sequences
+    miss = params.miss_weight
+    return [base + miss * uncached(c.name) + c.queued_tokens + per_sequence * c.active_sequences
             for c in candidates]
 
 

@@ -97,11 +97,17 @@ SCORER_CASES = [
               endpoint("c", inflight=5)], None,
      [0.0, 1.0, 0.5]),
     ("predicted_ttft: cached beats cold", scorers.PredictedTtftScorer(
-        scorers.PredictedTtftScorer.Params(base_tokens=64, decode_token_weight=0)),
+        scorers.PredictedTtftScorer.Params(base_tokens=64, decode_token_weight=0,
+                                           miss_weight=1)),
      lambda: [endpoint("a"), endpoint("b")], _prefix({"a": 4, "b": 0}, prompt_tokens=64),
      [1.0, 0.5]),
+    ("predicted_ttft: a miss costs miss_weight (2) per token", scorers.PredictedTtftScorer(
+        scorers.PredictedTtftScorer.Params(base_tokens=64, decode_token_weight=0)),
+     lambda: [endpoint("a"), endpoint("b")], _prefix({"a": 4, "b": 0}, prompt_tokens=64),
+     [1.0, 1 / 3]),
     ("predicted_ttft: queue outweighs cache", scorers.PredictedTtftScorer(
-        scorers.PredictedTtftScorer.Params(base_tokens=100, decode_token_weight=2)),
+        scorers.PredictedTtftScorer.Params(base_tokens=100, decode_token_weight=2,
+                                           miss_weight=1)),
      lambda: [endpoint("a", prefill_tokens=200, decoding=14), endpoint("b")],
      _prefix({"a": 4, "b": 0}, prompt_tokens=64), [0.5, 1.0]),
     ("endpoint_cost", scorers.EndpointCostScorer(),

@@ -39,7 +39,7 @@ def test_hot_prefix_spills_when_its_endpoint_saturates():
     a, b = endpoint("a"), endpoint("b")
     picker, _ = _picker(a, b)
     first = picker.choose(ctx(SYSTEM + "q"))
-    first.telemetry = telemetry(waiting=6)  # above max_waiting=5
+    first.telemetry = telemetry(waiting=33)  # above kvgate's max_waiting=32
     second = picker.choose(ctx(SYSTEM + "q2"))
     assert second is not first
     # now both hold the prefix; once the first recovers, ties are broken by load
@@ -199,3 +199,16 @@ def test_telemetry_corrects_the_view_upwards_and_goes_stale():
     from gateway.routing.endpoints import EndpointLimits
     e.limits = EndpointLimits(stale_policy="exclude")
     assert not e.routable
+
+
+def test_a_short_queue_at_the_prefix_holder_does_not_send_its_group_away():
+    """Below kvgate's saturation threshold the cost decides, and a cold prefill elsewhere
+    costs twice its tokens: six waiting requests do not move a group off its holder."""
+    a, b = endpoint("a"), endpoint("b")
+    picker, _ = _picker(a, b)
+    long_system = SYSTEM * 4  # ~4,800 characters: a cold prefill of ~1,200 tokens
+    first = picker.choose(ctx(long_system + "q"))
+    other = b if first is a else a
+    first.telemetry, other.telemetry = telemetry(waiting=6), telemetry(waiting=0)
+    first.prefill_requests, first.prefill_tokens = 6, 6 * 40  # six cheap cached requests
+    assert picker.choose(ctx(long_system + "q2")) is first
