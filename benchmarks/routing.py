@@ -16,7 +16,7 @@ each request's intended send time), then read the engines' counters. Workloads:
   mooncake the Mooncake synthetic trace (`--trace`, default ../shared/data/mooncake/, from
            github.com/kvcache-ai/Mooncake, see that folder's SOURCES.md): each hash_id becomes
            a fixed block of synthetic text (`--block-chars`), so shared ids are shared text;
-           lengths scaled down (a 512-token hash block becomes ~32 tokens)
+           lengths scaled down (a 512-token hash block becomes ~17 tokens)
 The defaults size every workload so that its reusable working set exceeds one engine's KV
 cache and fits the fleet's (printed with the results). The ideal hit rate is what one engine
 with an infinite cache would reuse (prefix blocks seen before, in arrival order). Simulator lag
@@ -57,7 +57,7 @@ MODEL = "sim-model"
 POLICIES = ["random", "round_robin", "least_loaded", "kvgate"]
 # The low rate is the unloaded reference; the high one is where round-robin's TTFT p90 is well
 # past 5x its unloaded value on this benchmark's fleet (4 engines, speed 2, 1,400 KV blocks).
-DEFAULT_RATES = "shared=12,40;sessions=12,80;mooncake=8,60"
+DEFAULT_RATES = "shared=12,56;sessions=12,80;mooncake=8,100,120"
 _WORD_TEXT = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike "
               "november oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee "
               "zulu engine cache token prefix router stream window batch")
@@ -146,11 +146,13 @@ def _poisson(count: int, rate: float, rng: random.Random) -> list[float]:
     return out
 
 
-def ideal_reuse(plans: list[Planned], block_chars: int = 64) -> tuple[float, int]:
+def ideal_reuse(plans: list[Planned], block_chars: int = 64) -> tuple[float, float]:
     """The fraction of prompt text one engine with an infinite cache would reuse, and the
-    reusable working set: distinct blocks (≈ 16 tokens, one KV block) reused at least once."""
+    reusable working set in simulator tokens: the text of every distinct block reused at least
+    once, counted with the simulator's tokenizer."""
     from gateway.routing.prefix_index import PrefixHasher
     from gateway.routing.prompt_text import prompt_text
+    from gateway.sim.tokenizer import count_tokens
 
     hasher = PrefixHasher(block_chars, max_blocks=1_000_000)
     seen: set[int] = set()
@@ -166,7 +168,9 @@ def ideal_reuse(plans: list[Planned], block_chars: int = 64) -> tuple[float, int
         reused += depth * block_chars
         total += len(text.encode())
         seen.update(hashes)
-    return (reused / total if total else 0.0), len(reused_blocks)
+    sample = "".join(prompt_text(plan.body) for plan in plans[:64])
+    tokens_per_byte = count_tokens(sample) / max(1, len(sample.encode()))
+    return (reused / total if total else 0.0), len(reused_blocks) * block_chars * tokens_per_byte
 
 
 # --- processes -----------------------------------------------------------------------------
@@ -523,8 +527,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     p.add_argument("--trace-offset", type=int, default=3712,
                    help="first Mooncake row to replay (later rows reuse more)")
-    p.add_argument("--block-chars", type=int, default=160,
-                   help="text per Mooncake hash_id (512 tokens scaled to ~32)")
+    p.add_argument("--block-chars", type=int, default=96,
+                   help="text per Mooncake hash_id (512 tokens scaled to ~17)")
     p.add_argument("--micro", action="store_true", help="decision-cost microbenchmark only")
     p.add_argument("--no-micro", action="store_true", help="skip the decision-cost microbenchmark")
     p.add_argument("--out", type=Path, default=BENCH_DIR / "routing")
@@ -543,7 +547,7 @@ def main() -> int:
     print(json.dumps(micro_out, indent=1), flush=True)
     rows: list[Row] = []
     ideal: dict[str, float] = {}
-    working_sets: dict[str, int] = {}
+    working_sets: dict[str, float] = {}
     if not args.micro:
         for workload in args.workloads.split(","):
             if workload == "mooncake" and not args.trace.exists():
@@ -575,10 +579,10 @@ def main() -> int:
         plotted = plot(rows, png)
         section += [f"{args.engines} engines, speed {args.speed}, {args.kv_blocks} KV blocks "
                     f"each, max_num_seqs {args.max_num_seqs}, {args.output_tokens} output "
-                    "tokens. Reusable working set (distinct 16-token blocks reused at least "
-                    "once) against one engine's KV and the fleet's: " + "; ".join(
-                        f"{w} {n} blocks ({n / args.kv_blocks:.1f}x one engine, "
-                        f"{n / (args.kv_blocks * args.engines):.0%} of the fleet)"
+                    "tokens. Reusable working set (prompt text reused at least once, in "
+                    "16-token KV blocks) against one engine's KV and the fleet's: " + "; ".join(
+                        f"{w} {n / 16:.0f} blocks ({n / 16 / args.kv_blocks:.1f}x one engine, "
+                        f"{n / 16 / (args.kv_blocks * args.engines):.0%} of the fleet)"
                         for w, n in working_sets.items()) + ".",
                     "", table(rows, ideal), "", "Targets:", "",
                     targets(rows, ideal), ""]

@@ -276,20 +276,28 @@ class Fleet:
         self.endpoints = [e for p in self.pools for e in p.endpoints]
         self._by_model: dict[str, list[Endpoint]] = {}
         self._healthy_by_model: dict[str, list[Endpoint]] = {}
+        self._home_pool: dict[str, str] = {}
         self.refresh()
 
     def refresh(self) -> None:
         by_model: dict[str, list[Endpoint]] = {}
+        home_pool: dict[str, str] = {}
         for endpoint in self.endpoints:
             for model in endpoint.models:
                 by_model.setdefault(model, []).append(endpoint)
+                home_pool.setdefault(model, endpoint.pool)  # endpoints are in pool order
         self._by_model = by_model
+        self._home_pool = home_pool
         self._healthy_by_model = {
             m: [e for e in eps if e.healthy] for m, eps in by_model.items()
         }
 
     def serves(self, model: str) -> bool:
         return model in self._by_model
+
+    def home_pool(self, model: str) -> str | None:
+        """The first pool (in config order) with an endpoint serving `model`."""
+        return self._home_pool.get(model)
 
     def candidates(self, model: str) -> list[Endpoint]:
         """Healthy endpoints serving `model` (possibly empty)."""

@@ -22,7 +22,6 @@ from gateway.config import Config
 from gateway.errors import NotFound, Overloaded
 from gateway.routing.affinity import SessionAffinity, session_key
 from gateway.routing.endpoints import Endpoint, EndpointLoad, Fleet
-from gateway.routing.filters import NotSaturated
 from gateway.routing.match import PrefixMatch
 from gateway.routing.policy import RoutingPolicy, RoutingProfile, builtin_policy
 from gateway.routing.prefix_index import PrefixHasher, PrefixIndex
@@ -151,15 +150,13 @@ class PolicyPicker:
             self._prepare(ctx, endpoints)
         now = time.monotonic()
         candidates = [EndpointLoad(e, now) for e in endpoints]  # one load snapshot each
-        saturation = [f for f in profile.filters if isinstance(f, NotSaturated)]
-        for keep in profile.filters:
-            if not isinstance(keep, NotSaturated):
-                candidates = keep(ctx, candidates)
+        for keep in profile.plain_filters:
+            candidates = keep(ctx, candidates)
         if not candidates:
             raise Overloaded(f"No endpoint for '{ctx.model}' passes the routing policy's "
                              "filters", code="no_eligible_endpoint", retry_after=1)
         available = candidates
-        for keep in saturation:
+        for keep in profile.saturation_filters:
             available = keep(ctx, available)
         if not available:
             if may_fall_back and profile.fallback_pool is not None:
@@ -234,9 +231,9 @@ class PoolRouter:
         self.pickers = pickers
 
     def choose(self, ctx: RequestContext, exclude: Collection[Endpoint] = ()) -> Endpoint:
-        for pool in self.fleet.pools:
-            if any(ctx.model in e.models for e in pool.endpoints):
-                return self.pickers[pool.name].choose(ctx, exclude)
+        pool = self.fleet.home_pool(ctx.model)
+        if pool is not None:
+            return self.pickers[pool].choose(ctx, exclude)
         return routable_candidates(self.fleet, ctx.model, exclude)[0]  # raises NotFound
 
 

@@ -98,7 +98,9 @@ class PolicySpec(ProfileSpec):
 
 @dataclass(slots=True)
 class RoutingProfile:
-    """What routing does for the requests a rule (or the defaults) covers."""
+    """What routing does for the requests a rule (or the defaults) covers. The facts a decision
+    needs about the profile itself (which filters judge saturation, whether a scorer reads the
+    prefix match) are derived once, here, not per request."""
 
     objective: str
     filters: list[Any]
@@ -108,10 +110,14 @@ class RoutingProfile:
     when_saturated: str = "queue"
     fallback_pool: str | None = None
     fallback_model: str | None = None
+    plain_filters: list[Any] = field(init=False)
+    saturation_filters: list[Any] = field(init=False)
+    uses_prefix: bool = field(init=False)
 
-    @property
-    def uses_prefix(self) -> bool:
-        return any(s.NAME in PREFIX_SCORERS for s, _ in self.scorers)
+    def __post_init__(self) -> None:
+        self.saturation_filters = [f for f in self.filters if f.NAME == "not_saturated"]
+        self.plain_filters = [f for f in self.filters if f.NAME != "not_saturated"]
+        self.uses_prefix = any(s.NAME in PREFIX_SCORERS for s, _ in self.scorers)
 
 
 @dataclass(slots=True)
