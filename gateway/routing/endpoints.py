@@ -197,33 +197,39 @@ class EndpointLoad:
                  "total_inflight")
 
     def __init__(self, endpoint: Endpoint, now: float) -> None:
+        # Hot path (once per candidate per decision): plain comparisons, no builtin calls.
         telemetry = endpoint.fresh_telemetry_at(now)
-        prefill = endpoint.prefill_requests
-        known = prefill + endpoint.peer_inflight  # peers' queued work is counted already
+        inflight = endpoint.inflight
+        peers = endpoint.peer_inflight
+        prefill = float(endpoint.prefill_requests)
         queued_tokens = float(endpoint.prefill_tokens + endpoint.peer_queued_tokens)
+        active = float(endpoint.decoding)
         if telemetry is None:
-            queued = float(prefill)
-            active = float(endpoint.decoding)
+            queued = prefill
             kv_usage = 0.0
         else:
             waiting = telemetry.waiting
-            queued = max(float(prefill), waiting)
+            queued = waiting if waiting > prefill else prefill
+            known = prefill + peers  # peers' queued work is counted already
             if waiting > known:
                 queued_tokens += (waiting - known) * endpoint.mean_prompt_tokens
-            active = max(float(endpoint.decoding), telemetry.running)
+            running = telemetry.running
+            if running > active:
+                active = running
             kv_usage = telemetry.kv_usage
-        total = endpoint.inflight + endpoint.peer_inflight
+        total = inflight + peers
         self.endpoint = endpoint
         self.name = endpoint.name
         self.telemetry = telemetry
         self.stale = telemetry is None and endpoint.scraped
-        self.inflight = endpoint.inflight
+        self.inflight = inflight
         self.total_inflight = total
         self.queued_requests = queued
         self.queued_tokens = queued_tokens
         self.active_sequences = active
         self.kv_usage = kv_usage
-        self.requests = max(float(total), queued + active)
+        busy = queued + active
+        self.requests = busy if busy > total else float(total)
 
     def saturated_by(self, max_waiting: float, max_kv_usage: float) -> bool:
         """The in-flight cap is reached, or fresh telemetry shows more than `max_waiting`

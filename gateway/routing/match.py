@@ -30,6 +30,12 @@ class PrefixMatch:
         return min(self.prompt_tokens,
                    int(self.matched.get(endpoint, 0) * self.tokens_per_block))
 
+    def uncached_by_endpoint(self, endpoints: list[str]) -> list[int]:
+        """`uncached_tokens` of each endpoint, in one pass (the scorers' hot path)."""
+        prompt, per_block, matched = self.prompt_tokens, self.tokens_per_block, self.matched.get
+        out = [prompt - int(matched(name, 0) * per_block) for name in endpoints]
+        return [u if u > 0 else 0 for u in out]
+
     def uncached_tokens(self, endpoint: str) -> int:
         """`prompt_tokens - cached_tokens(endpoint)` (one call: scorers use it per candidate)."""
         return max(0, self.prompt_tokens

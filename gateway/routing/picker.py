@@ -119,13 +119,15 @@ def weighted_scores(ctx: RequestContext, candidates: Sequence[EndpointLoad],
     """Each scorer's values clamped to [0, 1], and their weighted mean per candidate."""
     total_weight = sum(w for _, w in scorers)
     columns: list[list[float]] = []
-    totals = [0.0] * len(candidates)
+    totals: list[float] | None = None
     for scorer, weight in scorers:
         values = [0.0 if v < 0.0 else 1.0 if v > 1.0 else v
                   for v in scorer(ctx, candidates)]  # type: ignore[operator]
         columns.append(values)
-        totals = [t + weight * v for t, v in zip(totals, values, strict=True)]
-    return [t / total_weight for t in totals], columns
+        share = weight / total_weight
+        totals = ([share * v for v in values] if totals is None
+                  else [t + share * v for t, v in zip(totals, values, strict=True)])
+    return totals or [0.0] * len(candidates), columns
 
 
 class PolicyPicker:

@@ -125,10 +125,10 @@ def predicted_cost_tokens(ctx: RequestContext, candidates: Sequence[EndpointLoad
     base, per_sequence = params.base_tokens, params.decode_token_weight
     if prefix is None:
         return [base + c.queued_tokens + per_sequence * c.active_sequences for c in candidates]
-    uncached = prefix.uncached_tokens
+    uncached = prefix.uncached_by_endpoint([c.name for c in candidates])
     miss = params.miss_weight
-    return [base + miss * uncached(c.name) + c.queued_tokens + per_sequence * c.active_sequences
-            for c in candidates]
+    return [base + miss * u + c.queued_tokens + per_sequence * c.active_sequences
+            for c, u in zip(candidates, uncached, strict=True)]
 
 
 class PredictedTtftScorer:
