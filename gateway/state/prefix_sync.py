@@ -38,7 +38,7 @@ class SharedPrefixIndex(PrefixIndex):
         now = time.monotonic()
         parts: list[bytes] = []
         for endpoint, blocks in self._blocks.items():
-            items = list(blocks._entries.items())
+            items = blocks.items()
             name = endpoint.encode()
             parts.append(struct.pack(f"<H{len(name)}sI", len(name), name, len(items)))
             parts.append(struct.pack(f"<{len(items)}Q", *(h for h, _ in items)))
@@ -59,9 +59,7 @@ class SharedPrefixIndex(PrefixIndex):
             offset += 8 * count
             ages = struct.unpack_from(f"<{count}f", data, offset)
             offset += 4 * count
-            blocks = self._for(endpoint)
-            for block_hash, age in zip(hashes, ages, strict=True):
-                blocks.record((block_hash,), now - age)
+            self._for(endpoint).load(hashes, [now - age for age in ages], now)
 
 
 def encode_delta(endpoint: str, hashes: Sequence[int]) -> bytes:

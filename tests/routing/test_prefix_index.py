@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import time
+import zlib
+
 import pytest
 
 from gateway.routing.prefix_index import BYTES_PER_ENTRY, EndpointBlocks, PrefixHasher, PrefixIndex
@@ -35,11 +39,32 @@ def test_hashes_are_stable_across_processes():
     import subprocess
     import sys
 
+    text = "system prompt ü " * 40
     code = ("from gateway.routing.prefix_index import PrefixHasher;"
-            "print(PrefixHasher(8, 4).hashes('AAAAAAAABBBBBBBB', 'm', 's'))")
+            f"print(PrefixHasher(8, 64).hashes({text!r}, 'm', 's'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env={"PYTHONHASHSEED": "123"}).stdout
-    assert out.strip() == str(HASHER.hashes("AAAAAAAABBBBBBBB", "m", "s"))
+    assert out.strip() == str(PrefixHasher(8, 64).hashes(text, "m", "s"))
+
+
+def test_hashes_follow_the_documented_formula():
+    """Block k of a chain seeded by BLAKE2b(model, salt): (offset + k) << 32 | chained CRC-32."""
+    text = "The quick brown fox jumps over the lazy dog. " * 30
+    seed = int.from_bytes(hashlib.blake2b(b"m\x00s", digest_size=8).digest(), "little")
+    crc, expected = seed & 0xFFFFFFFF, []
+    data = text.encode()
+    for k in range(len(data) // 64):
+        crc = zlib.crc32(data[64 * k:64 * (k + 1)], crc)
+        expected.append((seed >> 33) + k << 32 | crc)
+    assert PrefixHasher(64, 1000).hashes(text, "m", "s") == expected
+    assert all(0 <= h < 2**64 for h in expected)
+
+
+def test_multibyte_text_is_cut_in_bytes_and_capped():
+    hasher = PrefixHasher(block_chars=8, max_blocks=3)
+    assert len(hasher.hashes("ü" * 4, "m")) == 1  # 8 bytes
+    assert len(hasher.hashes("ü" * 100, "m")) == 3
+    assert hasher.hashes("ü" * 100, "m") == PrefixHasher(8, 50).hashes("ü" * 100, "m")[:3]
 
 
 def test_lru_is_bounded_and_evicts_deepest_blocks_first():
@@ -52,13 +77,69 @@ def test_lru_is_bounded_and_evicts_deepest_blocks_first():
     assert blocks.depth([10, 20, 30], now=1) == 2
 
 
-def test_ttl_expires_entries():
-    blocks = EndpointBlocks(capacity=10, ttl=5)
+def test_retouching_moves_a_chain_behind_newer_ones():
+    blocks = EndpointBlocks(capacity=4, ttl=100)
     blocks.record([1, 2], now=0)
-    assert blocks.depth([1, 2], now=4) == 2
-    assert blocks.depth([1, 2], now=6) == 0
-    blocks.record([7], now=6)
-    assert len(blocks) == 1  # expired entries trimmed on the next record
+    blocks.record([10, 20], now=1)
+    blocks.record([1, 2], now=2)  # now the most recent: [10, 20] goes first
+    blocks.record([5], now=3)
+    assert 20 not in blocks and {1, 2, 5, 10} == {h for h, _ in blocks.items()}
+    assert blocks.items()[-1] == (5, 3)
+
+
+def _chains(count: int, length: int) -> list[list[int]]:
+    hasher = PrefixHasher(block_chars=8, max_blocks=length)
+    return [hasher.hashes(f"{i:08d}" + "x" * 8 * (length - 1), "m") for i in range(count)]
+
+
+def test_capacity_is_never_exceeded_and_trimming_goes_deepest_first():
+    blocks = EndpointBlocks(capacity=160, ttl=1000)
+    chains = _chains(40, 24)
+    inserted = 0
+    for step, chain in enumerate(chains + chains[::3]):
+        inserted += sum(h not in blocks for h in chain)
+        blocks.record(chain, now=step)
+        assert len(blocks) == min(inserted, blocks.capacity)
+        for other in chains:  # every chain is held as a prefix: depth stays exact
+            held = [h in blocks for h in other]
+            depth = held.index(False) if False in held else len(held)
+            assert not any(held[depth:])
+            assert blocks.depth(other, now=step) == depth
+        assert blocks.depth(chain, now=step) == len(chain)  # the newest is whole
+    assert blocks.evictions == inserted - len(blocks) > 0
+
+
+def test_resize_trims_to_the_new_capacity():
+    blocks = EndpointBlocks(capacity=1000, ttl=1000)
+    blocks.record(list(range(900)), now=0)
+    blocks.resize(100, now=1)
+    assert len(blocks) == 100 and blocks.evictions == 800
+    assert blocks.depth(list(range(900)), now=1) == 100
+
+
+def test_ttl_expires_entries_for_lookups_at_once_and_drops_them_on_the_next_record():
+    blocks = EndpointBlocks(capacity=10, ttl=16)
+    blocks.record([1, 2], now=0)
+    blocks.record([3], now=4)
+    assert blocks.depth([1, 2], now=15) == 2
+    assert blocks.depth([1, 2], now=16.5) == 0
+    assert blocks.depth([3], now=16.5) == 1
+    assert len(blocks) == 3 and blocks.evictions == 0
+    blocks.record([7], now=16.5)
+    assert blocks.items() == [(3, 4), (7, 16.5)] and blocks.evictions == 2
+    blocks.record([7], now=19)
+    assert blocks.items() == [(3, 4), (7, 19)]
+    blocks.record([8], now=20)
+    assert blocks.items() == [(3, 4), (7, 19), (8, 20)]  # exactly ttl old: still held
+    blocks.record([8], now=20.5)
+    assert blocks.items() == [(7, 19), (8, 20.5)] and blocks.evictions == 3
+
+
+def test_load_restores_order_and_times():
+    blocks = EndpointBlocks(capacity=3, ttl=10)
+    blocks.load([3, 2, 1, 9], [1.0, 2.0, 2.0, 2.5], now=12.0)  # 3 expired; one over capacity
+    assert blocks.items() == [(2, 2.0), (1, 2.0), (9, 2.5)] and blocks.evictions == 1
+    assert blocks.depth([1, 2, 3], now=12.0) == 2
 
 
 def test_index_match_record_evict_clear_and_memory():
@@ -67,7 +148,14 @@ def test_index_match_record_evict_clear_and_memory():
     assert index.match(hashes, ["a", "b"]) == {"a": 0, "b": 0}
     index.record("a", hashes[:3])
     index.record("b", hashes[:1])
-    assert index.match(hashes, ["a", "b", "c"]) == {"a": 3, "b": 1, "c": 0}
+    index.record("d", hashes)
+    index.record("e", hashes, now=time.monotonic() - 61)
+    assert index.match(hashes, ["a", "b", "c", "d", "e"]) == {"a": 3, "b": 1, "c": 0, "d": 4,
+                                                             "e": 0}
+    assert index.match(hashes, (name for name in "ad")) == {"a": 3, "d": 4}
+    assert index.match([], ["a"]) == {"a": 0}
+    index.clear("d")
+    index.clear("e")
     index.evict("a", [13])
     assert index.match(hashes, ["a"]) == {"a": 2}
     assert index.entries() == 3 and index.memory_bytes == 3 * BYTES_PER_ENTRY
@@ -77,13 +165,30 @@ def test_index_match_record_evict_clear_and_memory():
     assert index.capacity("b") == index.max_capacity
 
 
+@pytest.mark.parametrize("order", ["abcdef", "fedcba", "dacfbe"])
+def test_match_gives_each_endpoint_its_own_depth_whoever_is_asked_first(order):
+    index = PrefixIndex(default_capacity=100, ttl=60)
+    chain = list(range(100, 108))
+    held = {"a": 3, "b": 1, "c": 3, "d": 5, "e": 8, "f": 0}
+    for name, depth in held.items():
+        index.record(name, chain[:depth])
+    index.record("f", [1, 2, 3])
+    assert index.match(chain, list(order)) == {name: held[name] for name in order}
+    assert index.match(chain[:3], list(order)) == {name: min(held[name], 3) for name in order}
+
+
 def test_memory_stays_bounded_under_many_prompts():
     index = PrefixIndex(default_capacity=1000, ttl=600)
     hasher = PrefixHasher()
+    recorded = 0
     for i in range(300):
-        index.record("a", hasher.hashes(f"prompt {i} " * 100, "m"))
+        hashes = hasher.hashes(f"prompt {i} " * 100, "m")
+        index.record("a", hashes)
+        recorded += len(hashes)
+        assert index.entries("a") <= 1000
     assert index.entries("a") == 1000
-    assert index.evictions("a") > 0
+    assert index.evictions("a") == recorded - index.entries("a")  # all prompts distinct
+    assert index.memory_bytes == index.entries() * BYTES_PER_ENTRY
 
 
 def test_prompt_text_is_prefix_preserving_across_turns():
