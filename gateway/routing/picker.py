@@ -11,9 +11,10 @@
 from __future__ import annotations
 
 import math
+import random
 import time
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import orjson
@@ -67,6 +68,8 @@ class RoutingServices:
     affinity: SessionAffinity
     explain: ExplainMode
     chars_per_token: float
+    max_candidates: int = 0
+    rng: random.Random = field(default_factory=random.Random)
 
     @classmethod
     def from_config(cls, routing: RoutingConfig,
@@ -81,7 +84,33 @@ class RoutingServices:
             affinity=SessionAffinity(routing.affinity_ttl, routing.affinity_max_sessions),
             explain=routing.explain,
             chars_per_token=prefix.chars_per_token,
+            max_candidates=routing.max_candidates,
         )
+
+    def shortlist(self, ctx: RequestContext, endpoints: list[Endpoint]) -> list[Endpoint]:
+        """At most `max_candidates` of a larger pool, so that a decision's cost does not grow
+        with the pool: the endpoints holding the deepest part of the prompt (up to three
+        quarters of the places, ties in random order), the session's endpoint, then a random
+        sample of the rest (the power of d choices: the best of a random 16 is nearly always
+        as lightly loaded as the best of all)."""
+        limit = self.max_candidates
+        if not limit or len(endpoints) <= limit:
+            return endpoints
+        rng = self.rng
+        prefix = ctx.prefix
+        keep: list[Endpoint] = []
+        if prefix is not None:
+            depth = prefix.matched.get
+            holders = [e for e in endpoints if depth(e.name, 0)]
+            if holders:
+                rng.shuffle(holders)
+                holders.sort(key=lambda e: depth(e.name, 0), reverse=True)
+                keep = holders[: limit - limit // 4]
+            if prefix.affinity is not None and all(e.name != prefix.affinity for e in keep):
+                keep += [e for e in endpoints if e.name == prefix.affinity][:1]
+        chosen = set(keep)
+        rest = [e for e in endpoints if e not in chosen]
+        return keep + rng.sample(rest, min(len(rest), limit - len(keep)))
 
     def size_index(self, endpoint: Endpoint, telemetry: EngineTelemetry) -> None:
         """Bound an endpoint's index entries by its engine's KV cache, in blocks of text."""
@@ -150,6 +179,7 @@ class PolicyPicker:
         endpoints = routable_candidates(self.fleet, ctx.model, exclude, pools)
         if profile.uses_prefix:
             self._prepare(ctx, endpoints)
+        endpoints = self.services.shortlist(ctx, endpoints)
         now = time.monotonic()
         candidates = [EndpointLoad(e, now) for e in endpoints]  # one load snapshot each
         for keep in profile.plain_filters:

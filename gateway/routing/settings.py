@@ -39,6 +39,10 @@ class SaturationConfig(_Strict):
 
 
 class RoutingConfig(_Strict):
+    """`max_candidates`: a decision scores at most this many endpoints of a larger pool (the
+    ones holding the deepest part of the prompt, the session's, then a random sample of the
+    rest); 0 scores every endpoint."""
+
     scrape_interval: float = Field(1.0, gt=0)
     scrape_timeout: float = Field(0.5, gt=0)
     stale_after_intervals: float = Field(3.0, ge=1)
@@ -48,6 +52,7 @@ class RoutingConfig(_Strict):
     saturation: SaturationConfig = SaturationConfig()
     affinity_ttl: float = Field(600.0, gt=0)
     affinity_max_sessions: int = Field(100_000, ge=1)
+    max_candidates: int = Field(16, ge=0)
 
     @property
     def stale_after(self) -> float:

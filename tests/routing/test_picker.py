@@ -212,3 +212,44 @@ def test_a_short_queue_at_the_prefix_holder_does_not_send_its_group_away():
     first.telemetry, other.telemetry = telemetry(waiting=6), telemetry(waiting=0)
     first.prefill_requests, first.prefill_tokens = 6, 6 * 40  # six cheap cached requests
     assert picker.choose(ctx(long_system + "q2")) is first
+
+
+def _big_pool(count: int, max_candidates: int):
+    endpoints = [endpoint(f"e{i}") for i in range(count)]
+    services = RoutingServices.from_config(RoutingConfig(explain="always",
+                                                         max_candidates=max_candidates))
+    return PolicyPicker(fleet(*endpoints), "p", builtin_policy("kvgate"), services), endpoints
+
+
+def _scored(request) -> list[str]:
+    header = dict(request.response_headers)[b"x-kvgate-route-explain"].decode()
+    return [part.split()[0] for part in header.split("; ")[3:]]
+
+
+def test_a_large_pool_scores_a_shortlist_that_keeps_prefix_holders_and_the_session():
+    picker, _ = _big_pool(40, 8)
+    explain = [(b"x-kvgate-explain", b"1")]
+    holder = picker.choose(ctx(SYSTEM + "q0", user="alice"))
+    for i in range(1, 30):  # the holder is always scored, so the group stays on it
+        request = ctx(SYSTEM + f"q{i}", headers=explain)
+        assert picker.choose(request) is holder
+        scored = _scored(request)
+        assert len(scored) == 8 and holder.name in scored and len(set(scored)) == 8
+    holder.telemetry = telemetry(waiting=40)  # saturated: the group spills to a sampled one
+    request = ctx(SYSTEM + "q-spill", headers=explain, user="alice")
+    assert picker.choose(request) is not holder
+    scored = _scored(request)  # the saturated holder was shortlisted, then filtered out
+    assert len(scored) == 7 and holder.name not in scored
+    sampled = set()
+    for i in range(40):  # cold prompts: a fresh random sample each time
+        request = ctx(f"cold prompt number {i} " * 8, headers=explain)
+        picker.choose(request)
+        sampled.update(_scored(request))
+    assert len(sampled) > 20
+
+
+def test_max_candidates_zero_scores_every_endpoint():
+    picker, endpoints = _big_pool(24, 0)
+    request = ctx(SYSTEM + "q", headers=[(b"x-kvgate-explain", b"1")])
+    picker.choose(request)
+    assert sorted(_scored(request)) == sorted(e.name for e in endpoints)
