@@ -101,16 +101,20 @@ class RoutingServices:
         keep: list[Endpoint] = []
         if prefix is not None:
             depth = prefix.matched.get
-            holders = [e for e in endpoints if depth(e.name, 0)]
-            if holders:
-                rng.shuffle(holders)
-                holders.sort(key=lambda e: depth(e.name, 0), reverse=True)
-                keep = holders[: limit - limit // 4]
+            keep = [e for e in endpoints if depth(e.name, 0)]
+            places = limit - limit // 4
+            if len(keep) > places:
+                rng.shuffle(keep)
+                keep.sort(key=lambda e: depth(e.name, 0), reverse=True)
+                del keep[places:]
             if prefix.affinity is not None and all(e.name != prefix.affinity for e in keep):
                 keep += [e for e in endpoints if e.name == prefix.affinity][:1]
-        chosen = set(keep)
-        rest = [e for e in endpoints if e not in chosen]
-        return keep + rng.sample(rest, min(len(rest), limit - len(keep)))
+        if not keep:
+            return rng.sample(endpoints, limit)
+        # A sample as large as the places left plus the kept ones has enough others in it.
+        kept = set(keep)
+        others = [e for e in rng.sample(endpoints, limit) if e not in kept]
+        return keep + others[: limit - len(keep)]
 
     def size_index(self, endpoint: Endpoint, telemetry: EngineTelemetry) -> None:
         """Bound an endpoint's index entries by its engine's KV cache, in blocks of text."""
