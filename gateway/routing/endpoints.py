@@ -85,6 +85,13 @@ class Endpoint:
     peer_inflight: int = 0
     peer_queued_tokens: int = 0
     mean_prompt_tokens: float = _DEFAULT_PROMPT_TOKENS
+    # Streamed attempts that joined the engine's queue and that left it (first token, or ended
+    # before one), and both counts when the telemetry was taken: the engine's waiting count is
+    # carried forward between scrapes by what the gateway itself saw since (`EndpointLoad`).
+    streams_queued: int = 0
+    streams_unqueued: int = 0
+    queued_at_scrape: int = 0
+    unqueued_at_scrape: int = 0
     # id(ctx) → prompt tokens still to prefill, or -1 once the attempt decodes.
     _attempts: dict[int, int] = field(default_factory=dict)
 
@@ -105,6 +112,8 @@ class Endpoint:
         self.inflight += 1
         self.prefill_requests += 1
         self.prefill_tokens += tokens
+        if ctx.stream:
+            self.streams_queued += 1
 
     def first_token(self, ctx: RequestContext) -> None:
         """The attempt's first event arrived: its prefill is done, it now decodes."""
@@ -115,6 +124,8 @@ class Endpoint:
         self.prefill_requests -= 1
         self.prefill_tokens -= tokens
         self.decoding += 1
+        if ctx.stream:
+            self.streams_unqueued += 1
 
     def end_attempt(self, ctx: RequestContext) -> None:
         """Called exactly once per `begin_attempt`, on every terminal path of the attempt."""
@@ -127,6 +138,14 @@ class Endpoint:
         else:
             self.prefill_requests -= 1
             self.prefill_tokens -= tokens
+            if ctx.stream:
+                self.streams_unqueued += 1
+
+    def observe_telemetry(self, telemetry: EngineTelemetry) -> None:
+        """A scrape succeeded: route on it, and count queue changes from now on."""
+        self.telemetry = telemetry
+        self.queued_at_scrape = self.streams_queued
+        self.unqueued_at_scrape = self.streams_unqueued
 
     @property
     def scraped(self) -> bool:
@@ -183,7 +202,9 @@ class EndpointLoad:
     The gateway's own accounting (this process, plus peer replicas' shared load) is corrected
     upwards by fresh telemetry for work the gateway did not send:
 
-    - `queued_requests`: requests waiting for their first token (own count or engine's waiting)
+    - `waiting`: the engine's waiting count from fresh telemetry, carried forward by the
+      streams this process sent there and saw leave the queue since the scrape (0 without)
+    - `queued_requests`: requests waiting for their first token (own count or `waiting`)
     - `queued_tokens`: prompt tokens still to prefill, own and peers', plus the engine's waiting
       requests beyond those times the endpoint's mean prompt length
     - `active_sequences`: decoding sequences (own count or engine's running)
@@ -194,7 +215,7 @@ class EndpointLoad:
 
     __slots__ = ("active_sequences", "endpoint", "inflight", "kv_usage", "name",
                  "queued_requests", "queued_tokens", "requests", "stale", "telemetry",
-                 "total_inflight")
+                 "total_inflight", "waiting")
 
     def __init__(self, endpoint: Endpoint, now: float) -> None:
         # Hot path (once per candidate per decision): plain comparisons, no builtin calls.
@@ -206,9 +227,16 @@ class EndpointLoad:
         active = float(endpoint.decoding)
         if telemetry is None:
             queued = prefill
+            waiting = 0.0
             kv_usage = 0.0
         else:
-            waiting = telemetry.waiting
+            # The scraped waiting count, carried forward by the streams that joined and left
+            # the queue since: telemetry is up to a scrape interval old, a burst is not.
+            waiting = telemetry.waiting + (
+                (endpoint.streams_queued - endpoint.queued_at_scrape)
+                - (endpoint.streams_unqueued - endpoint.unqueued_at_scrape))
+            if waiting < 0.0:
+                waiting = 0.0
             queued = waiting if waiting > prefill else prefill
             known = prefill + peers  # peers' queued work is counted already
             if waiting > known:
@@ -224,6 +252,7 @@ class EndpointLoad:
         self.stale = telemetry is None and endpoint.scraped
         self.inflight = inflight
         self.total_inflight = total
+        self.waiting = waiting
         self.queued_requests = queued
         self.queued_tokens = queued_tokens
         self.active_sequences = active
@@ -232,14 +261,13 @@ class EndpointLoad:
         self.requests = busy if busy > total else float(total)
 
     def saturated_by(self, max_waiting: float, max_kv_usage: float) -> bool:
-        """The in-flight cap is reached, or fresh telemetry shows more than `max_waiting`
-        waiting requests or KV use above `max_kv_usage`. Pure."""
+        """The in-flight cap is reached, or with fresh telemetry more than `max_waiting`
+        requests wait (`waiting`) or KV use is above `max_kv_usage`. Pure."""
         cap = self.endpoint.max_inflight
         if cap is not None and self.total_inflight >= cap:
             return True
-        telemetry = self.telemetry
-        return telemetry is not None and (telemetry.waiting > max_waiting
-                                          or telemetry.kv_usage > max_kv_usage)
+        return self.telemetry is not None and (self.waiting > max_waiting
+                                               or self.kv_usage > max_kv_usage)
 
 
 @dataclass(slots=True, eq=False)

@@ -207,7 +207,7 @@ class TelemetryScraper:
             return
         previous = endpoint.telemetry
         self.failures[endpoint.name] = 0
-        endpoint.telemetry = telemetry
+        endpoint.observe_telemetry(telemetry)
         changed = previous is None or (previous.kv_tokens != telemetry.kv_tokens)
         if changed and telemetry.kv_tokens is not None and self.on_cache_config is not None:
             self.on_cache_config(endpoint, telemetry)

@@ -253,3 +253,27 @@ def test_max_candidates_zero_scores_every_endpoint():
     request = ctx(SYSTEM + "q", headers=[(b"x-kvgate-explain", b"1")])
     picker.choose(request)
     assert sorted(_scored(request)) == sorted(e.name for e in endpoints)
+
+
+def test_the_engine_queue_is_carried_forward_between_scrapes():
+    """A burst arrives faster than /metrics is scraped: the scraped waiting count grows with
+    every stream sent there and shrinks with every first token (or early end), until the next
+    scrape replaces it; saturation follows the carried-forward count."""
+    e = endpoint("a")
+    e.observe_telemetry(telemetry(waiting=4))
+    assert e.load().waiting == 4 and not e.saturated
+    streams = [ctx(f"burst {i}") for i in range(3)]
+    for request in streams:
+        e.begin_attempt(request)
+    unary = ctx("not a stream")
+    unary.stream = False
+    e.begin_attempt(unary)  # its first token is never seen: left to the next scrape
+    assert e.load().waiting == 7 and e.saturated  # above max_waiting=5
+    e.first_token(streams[0])
+    e.end_attempt(streams[1])  # ended before its first token: left the queue too
+    assert e.load().waiting == 5 and not e.saturated
+    e.observe_telemetry(telemetry(waiting=1))  # a new scrape starts from the engine's word
+    assert e.load().waiting == 1
+    e.first_token(streams[2])
+    e.first_token(streams[2])  # counted once
+    assert e.load().waiting == 0  # never below zero
