@@ -57,7 +57,7 @@ MODEL = "sim-model"
 POLICIES = ["random", "round_robin", "least_loaded", "kvgate"]
 # The low rate is the unloaded reference; the high one is where round-robin's TTFT p90 is well
 # past 5x its unloaded value on this benchmark's fleet (4 engines, speed 2, 1,400 KV blocks).
-DEFAULT_RATES = "shared=12,56;sessions=12,80;mooncake=8,100,120"
+DEFAULT_RATES = "shared=12,56;sessions=12,80,100;mooncake=8,100,120"
 _WORD_TEXT = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike "
               "november oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee "
               "zulu engine cache token prefix router stream window batch")
@@ -523,7 +523,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=384, help="sessions and mooncake")
     p.add_argument("--turns", type=int, default=12)
     p.add_argument("--turn-gap", type=float, default=0.4, help="seconds between a session's turns")
-    p.add_argument("--session-system-tokens", type=int, default=1024)
+    p.add_argument("--session-system-tokens", type=int, default=512)
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     p.add_argument("--trace-offset", type=int, default=3712,
                    help="first Mooncake row to replay (later rows reuse more)")
