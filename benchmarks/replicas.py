@@ -55,9 +55,8 @@ from routing import (
     machine,
     sim_fleet,
 )
-from services import PYTHON, free_port, stop, wait_ready
+from services import PYTHON, append_results, free_port, stop, wait_ready
 
-BENCH_DIR = Path(__file__).resolve().parent
 READY_SECONDS = 15.0
 
 
@@ -466,8 +465,7 @@ def main() -> int:
         f"Verdict: {'degradation' if degraded else 'no degradation'} with more replicas.", ""])
     print(section)
     if not args.no_results:
-        with (BENCH_DIR / "RESULTS.md").open("a") as results:
-            results.write("\n" + section + "\n")
+        append_results(section)
     return 0
 
 

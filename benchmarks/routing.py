@@ -49,9 +49,8 @@ from typing import Any
 
 import httpx
 import orjson
-from services import PYTHON, free_port, gateway, stop, wait_ready
+from services import BENCH_DIR, PYTHON, append_results, free_port, gateway, stop, wait_ready
 
-BENCH_DIR = Path(__file__).resolve().parent
 DEFAULT_TRACE = Path("/work/shared/data/mooncake/synthetic_trace.jsonl")
 MODEL = "sim-model"
 POLICIES = ["random", "round_robin", "least_loaded", "kvgate"]
@@ -591,8 +590,7 @@ def main() -> int:
     text = "\n".join(section)
     print(text)
     if not args.no_results:
-        with (BENCH_DIR / "RESULTS.md").open("a") as results:
-            results.write("\n" + text + "\n")
+        append_results(text)
     return 0
 
 

@@ -15,6 +15,12 @@ PYTHON = sys.executable
 READY_TIMEOUT = 15.0
 
 
+def append_results(section: str) -> None:
+    """Add a results section to benchmarks/RESULTS.md."""
+    with (BENCH_DIR / "RESULTS.md").open("a") as results:
+        results.write("\n" + section + "\n")
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))

@@ -37,6 +37,5 @@ class PrefixMatch:
         return [u if u > 0 else 0 for u in out]
 
     def uncached_tokens(self, endpoint: str) -> int:
-        """`prompt_tokens - cached_tokens(endpoint)` (one call: scorers use it per candidate)."""
-        return max(0, self.prompt_tokens
-                   - int(self.matched.get(endpoint, 0) * self.tokens_per_block))
+        """`prompt_tokens - cached_tokens(endpoint)`."""
+        return self.uncached_by_endpoint([endpoint])[0]

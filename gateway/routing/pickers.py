@@ -32,6 +32,12 @@ class Picker(Protocol):
         ...
 
 
+def least_loaded(rng: random.Random, loads: Sequence[float]) -> int:
+    """Index of the lowest load; ties broken at random."""
+    least = min(loads)
+    return rng.choice([i for i, load in enumerate(loads) if load == least])
+
+
 class RandomParams(Params):
     seed: int | None = None
 
@@ -78,9 +84,7 @@ class LeastLoadedPicker:
 
     def __call__(self, ctx: RequestContext, candidates: Sequence[EndpointLoad],
                  scores: Sequence[float] | None) -> int:
-        loads = [c.requests for c in candidates]
-        least = min(loads)
-        return self._rng.choice([i for i, load in enumerate(loads) if load == least])
+        return least_loaded(self._rng, [c.requests for c in candidates])
 
 
 class MaxScoreParams(Params):
@@ -119,8 +123,7 @@ class MaxScorePicker:
                  scores: Sequence[float] | None) -> int:
         loads = [c.requests for c in candidates]
         if scores is None or self.imbalanced(loads):
-            least = min(loads)
-            return self._rng.choice([i for i, load in enumerate(loads) if load == least])
+            return least_loaded(self._rng, loads)
         best = max(scores)
         ties = [i for i, s in enumerate(scores) if s >= best - self.params.tie_margin]
         if len(ties) == 1:

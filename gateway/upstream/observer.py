@@ -33,7 +33,9 @@ class ResilienceObserver(Protocol):
         """A broken stream was (or could not be) resumed; overhead = prompt tokens re-read."""
 
 
-class _NullObserver:
+class NullObserver:
+    """Ignores every event (unit tests subclass it to record the ones they check)."""
+
     def breaker_transition(self, endpoint: str, old: str, new: str) -> None:
         pass
 
@@ -56,4 +58,4 @@ class _NullObserver:
         pass
 
 
-NULL_OBSERVER: ResilienceObserver = _NullObserver()
+NULL_OBSERVER: ResilienceObserver = NullObserver()

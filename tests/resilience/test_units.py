@@ -27,6 +27,7 @@ from gateway.upstream.attempts import judge
 from gateway.upstream.backoff import full_jitter_delay
 from gateway.upstream.breaker import BreakerState, EjectionGroup, EndpointBreaker
 from gateway.upstream.limits import resolve_limits
+from gateway.upstream.observer import NullObserver
 from gateway.upstream.resume import StreamTranscript, continuation_body, resume_eligible
 from gateway.upstream.retry_budget import RetryBudget
 from gateway.upstream.throttle import AdaptiveThrottle
@@ -41,7 +42,7 @@ class Clock:
         return self.now
 
 
-class Recorder:
+class Recorder(NullObserver):
     def __init__(self) -> None:
         self.transitions: list[tuple[str, str, str]] = []
         self.skipped: list[str] = []
@@ -52,20 +53,6 @@ class Recorder:
     def ejection_skipped(self, endpoint: str) -> None:
         self.skipped.append(endpoint)
 
-    def attempt_finished(self, endpoint: str, result: str) -> None:
-        pass
-
-    def retry(self, pool: str, reason: str) -> None:
-        pass
-
-    def retry_denied(self, pool: str, reason: str) -> None:
-        pass
-
-    def throttled(self, pool: str) -> None:
-        pass
-
-    def resumed(self, pool: str, outcome: str, overhead_tokens: int) -> None:
-        pass
 
 
 def ctx_for(route: str = "chat", payload: dict | None = None, headers=None, tier: str = "",
