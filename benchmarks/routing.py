@@ -332,7 +332,7 @@ def micro() -> dict[str, Any]:
     from gateway.routing.endpoints import Endpoint, Fleet, Pool
     from gateway.routing.picker import PolicyPicker, RoutingServices
     from gateway.routing.policy import builtin_policy
-    from gateway.routing.prefix_index import EndpointBlocks, PrefixHasher
+    from gateway.routing.prefix_index import EndpointBlocks, PrefixHasher, PrefixIndex
     from gateway.routing.settings import RoutingConfig
     from gateway.routing.telemetry import EngineTelemetry
     from gateway.types import RequestContext
@@ -340,8 +340,9 @@ def micro() -> dict[str, Any]:
     rng = random.Random(3)
     out: dict[str, Any] = {}
     text_32k = words(rng, 32_000)[: 128_000]
-    for label, hasher in (("hash_32k_tokens_default_cap_us", PrefixHasher()),
-                          ("hash_32k_tokens_uncapped_us", PrefixHasher(64, 2048))):
+    # Raw hashing: no reuse of recently hashed prompts (recent=0).
+    for label, hasher in (("hash_32k_tokens_default_cap_us", PrefixHasher(recent=0)),
+                          ("hash_32k_tokens_uncapped_us", PrefixHasher(64, 2048, recent=0))):
         samples = []
         for _ in range(300):
             t = time.perf_counter()
@@ -349,49 +350,68 @@ def micro() -> dict[str, Any]:
             samples.append((time.perf_counter() - t) * 1e6)
         out[label] = {"p50": _percentile(samples, 0.5), "p99": _percentile(samples, 0.99)}
 
-    endpoints = [Endpoint(name=f"e{i}", url=f"http://e{i}", pool="p", engine="vllm",
-                          configured_models=frozenset({MODEL})) for i in range(64)]
-    fleet = Fleet([Pool("p", "vllm", "kvgate", endpoints)])
-    services = RoutingServices.from_config(RoutingConfig())
-    picker = PolicyPicker(fleet, "p", builtin_policy("kvgate"), services)
-    systems = [words(rng, 6_000) for _ in range(32)]
-
     def ctx(text: str) -> RequestContext:
         payload = {"model": MODEL, "messages": [{"role": "user", "content": text}]}
         return RequestContext(request_id="b", route="chat", upstream_path="/", client_headers=[],
                               body=b"", payload=payload, model=MODEL, stream=True)
 
-    def scrape() -> None:  # fresh telemetry and in-flight work on every endpoint
-        now = time.monotonic()
-        for e in endpoints:
-            e.telemetry = EngineTelemetry(scraped_at=now, waiting=float(rng.randrange(4)),
-                                          running=float(rng.randrange(40)),
-                                          kv_usage=rng.random() * 0.85)
-            e.inflight, e.peer_inflight = rng.randrange(30), rng.randrange(5)
+    def decisions(shared: bool) -> tuple[dict[str, float], PrefixIndex]:
+        """3,000 decisions for ≈ 8k-token prompts over 64 endpoints after 2,000 to warm the
+        index: 32 shared system prompts with their own questions, or every prompt new."""
+        endpoints = [Endpoint(name=f"e{i}", url=f"http://e{i}", pool="p", engine="vllm",
+                              configured_models=frozenset({MODEL})) for i in range(64)]
+        fleet = Fleet([Pool("p", "vllm", "kvgate", endpoints)])
+        services = RoutingServices.from_config(RoutingConfig())
+        picker = PolicyPicker(fleet, "p", builtin_policy("kvgate"), services)
+        systems = [words(rng, 6_000) for _ in range(32)]
 
-    scrape()
-    for i in range(2000):  # warm the index: 32 system prompts spread over the fleet
-        picker.choose(ctx(systems[i % 32] + words(rng, 2000)))
-    tails = [words(rng, 2000) for _ in range(50)]
-    samples = []
-    for i in range(3000):
-        if i % 100 == 0:
-            scrape()
-        request = ctx(systems[i % 32] + f" {i} " + tails[i % 50])  # ≈ 8k tokens
-        t = time.perf_counter()
-        picker.choose(request)
-        samples.append((time.perf_counter() - t) * 1e6)
-    out["decision_8k_tokens_64_endpoints_us"] = {"p50": _percentile(samples, 0.5),
-                                                 "p99": _percentile(samples, 0.99)}
+        def scrape() -> None:  # fresh telemetry and in-flight work on every endpoint
+            now = time.monotonic()
+            for e in endpoints:
+                e.telemetry = EngineTelemetry(scraped_at=now, waiting=float(rng.randrange(4)),
+                                              running=float(rng.randrange(40)),
+                                              kv_usage=rng.random() * 0.85)
+                e.inflight, e.peer_inflight = rng.randrange(30), rng.randrange(5)
+
+        def prompt(i: int) -> str:
+            head = systems[i % 32] if shared else f"{i} " + tails[(i * 7) % 50]
+            return head + f" {i} " + tails[i % 50]  # ≈ 8k tokens
+
+        tails = [words(rng, 2000) for _ in range(50)]
+        scrape()
+        for i in range(2000):
+            picker.choose(ctx(prompt(i)))
+        requests = [ctx(prompt(i)) for i in range(2000, 5000)]
+        samples = []
+        for i, request in enumerate(requests):
+            if i % 100 == 0:
+                scrape()
+            t = time.perf_counter()
+            picker.choose(request)
+            samples.append((time.perf_counter() - t) * 1e6)
+        return {"p50": _percentile(samples, 0.5), "p99": _percentile(samples, 0.99)}, \
+            services.index
+
+    out["decision_8k_tokens_64_endpoints_us"], index = decisions(shared=True)
+    out["decision_8k_tokens_64_endpoints_new_prompts_us"], _ = decisions(shared=False)
+    out["index_entries_total_after_warmup"] = index.entries()
+    out["index_memory_bytes_reported"] = index.memory_bytes
     tracemalloc.start()
     blocks = EndpointBlocks(capacity=200_000, ttl=600)
     before = tracemalloc.get_traced_memory()[0]
-    blocks.record([rng.getrandbits(64) for _ in range(100_000)], now=0.0)
+    for start in range(0, 100_000, 256):  # records of 256 blocks, each at its own time
+        blocks.record([rng.getrandbits(64) for _ in range(256)], now=float(start))
     after = tracemalloc.get_traced_memory()[0]
+    roots = PrefixIndex()
+    chains = [[rng.getrandbits(64)] for _ in range(10_000)]
+    middle = tracemalloc.get_traced_memory()[0]
+    for i, chain in enumerate(chains):
+        roots.record(f"e{i % 64}", chain, now=1.0)
+    end = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
-    out["index_bytes_per_entry"] = (after - before) / 100_000
-    out["index_entries_total_after_warmup"] = services.index.entries()
-    out["index_memory_bytes_reported"] = services.index.memory_bytes
+    out["index_bytes_per_entry"] = (after - before) / blocks.stored
+    out["index_bytes_per_root"] = (end - middle - roots.stored() * out["index_bytes_per_entry"]
+                                   ) / len(chains)
     return out
 
 
@@ -571,7 +591,8 @@ def main() -> int:
         section += ["Decision cost (µs): " + ", ".join(
             f"{k} p50 {v['p50']:.0f} / p99 {v['p99']:.0f}" for k, v in micro_out.items()
             if isinstance(v, dict))
-            + f"; prefix index ≈ {micro_out['index_bytes_per_entry']:.0f} B per entry.", ""]
+            + f"; prefix index ≈ {micro_out['index_bytes_per_entry']:.0f} B per entry, "
+            f"{micro_out['index_bytes_per_root']:.0f} B per listed first block.", ""]
     if rows:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         png = args.out.with_suffix(".png")

@@ -11,7 +11,8 @@ class PrefixMatch:
     probably holds. Produced once per request (retries reuse it); scorers only read it.
 
     `matched[name]` is the number of leading blocks endpoint `name` held when the request was
-    routed (before the decision was recorded). `session` is the affinity key, if any.
+    first routed (before the decision was recorded), for every endpoint holding at least the
+    first block; the others hold none. `session` is the affinity key, if any.
     """
 
     hashes: list[int]

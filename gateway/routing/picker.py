@@ -91,9 +91,10 @@ class RoutingServices:
     def shortlist(self, ctx: RequestContext, endpoints: list[Endpoint]) -> list[Endpoint]:
         """At most `max_candidates` of a larger pool, so that a decision's cost does not grow
         with the pool: the endpoints holding the deepest part of the prompt (up to three
-        quarters of the places, ties in random order), the session's endpoint, then a random
-        sample of the rest (the power of d choices: the best of a random 16 is nearly always
-        as lightly loaded as the best of all)."""
+        quarters of the places, ties in random order), the session's endpoint, then the rest
+        from a window of the pool at a random offset, so every endpoint is as likely to be
+        considered (the power of d choices: the best of a random 16 is nearly always as lightly
+        loaded as the best of all)."""
         limit = self.max_candidates
         if not limit or len(endpoints) <= limit:
             return endpoints
@@ -110,11 +111,14 @@ class RoutingServices:
                 del keep[places:]
             if prefix.affinity is not None and all(e.name != prefix.affinity for e in keep):
                 keep += [e for e in endpoints if e.name == prefix.affinity][:1]
+        start = rng.randrange(len(endpoints))
+        wrapped = max(0, start + limit - len(endpoints))
+        window = endpoints[start:start + limit] + endpoints[:wrapped]
         if not keep:
-            return rng.sample(endpoints, limit)
-        # A sample as large as the places left plus the kept ones has enough others in it.
+            return window
+        # A window as large as the places left plus the kept ones has enough others in it.
         kept = set(keep)
-        others = [e for e in rng.sample(endpoints, limit) if e not in kept]
+        others = [e for e in window if e not in kept]
         return keep + others[: limit - len(keep)]
 
     def size_index(self, endpoint: Endpoint, telemetry: EngineTelemetry) -> None:
@@ -124,13 +128,16 @@ class RoutingServices:
             self.index.set_capacity(endpoint.name, max(1, int(blocks)))
 
     def prefix_match(self, ctx: RequestContext) -> PrefixMatch:
-        """Hash the request's prompt once and look up its session (the producer step)."""
+        """Hash the request's prompt once, match it against every endpoint and look up its
+        session (the producer step; retries and fallback pools reuse it)."""
         text = prompt_text(ctx.payload)
         session = session_key(ctx)
+        hashes = self.hasher.hashes(text, ctx.model, ctx.cache_salt)
         return PrefixMatch(
-            hashes=self.hasher.hashes(text, ctx.model, ctx.cache_salt),
+            hashes=hashes,
             prompt_tokens=math.ceil(len(text) / self.chars_per_token),
             tokens_per_block=self.hasher.block_chars / self.chars_per_token,
+            matched=self.index.match(hashes),
             session=session,
             affinity=self.affinity.get(session) if session is not None else None,
         )
@@ -182,8 +189,8 @@ class PolicyPicker:
                 profile: RoutingProfile, rule: str, pools: Collection[str] | None,
                 may_fall_back: bool) -> Endpoint:
         endpoints = routable_candidates(self.fleet, ctx.model, exclude, pools)
-        if profile.uses_prefix:
-            self._prepare(ctx, endpoints)
+        if profile.uses_prefix and ctx.prefix is None:
+            ctx.prefix = self.services.prefix_match(ctx)
         endpoints = self.services.shortlist(ctx, endpoints)
         now = time.monotonic()
         candidates = [EndpointLoad(e, now) for e in endpoints]  # one load snapshot each
@@ -218,13 +225,6 @@ class PolicyPicker:
                 self.policy.name, rule, profile, available, scores, columns)))
         return chosen
 
-    def _prepare(self, ctx: RequestContext, candidates: Sequence[Endpoint]) -> None:
-        prefix = ctx.prefix
-        if prefix is None:
-            prefix = ctx.prefix = self.services.prefix_match(ctx)
-        missing = [e.name for e in candidates if e.name not in prefix.matched]
-        if missing:
-            prefix.matched.update(self.services.index.match(prefix.hashes, missing))
 
     def _record(self, ctx: RequestContext, chosen: Endpoint) -> None:
         prefix = ctx.prefix

@@ -50,27 +50,36 @@ import zlib
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Sequence
 from functools import partial
-from itertools import compress, repeat, takewhile
+from itertools import compress, repeat
 
-# Measured with tracemalloc for OrderedDict[int, float]: key int, float value, dict slot and
-# the ordering link (see benchmarks/routing.py --micro).
-BYTES_PER_ENTRY = 150
+# Measured with tracemalloc (benchmarks/routing.py --micro): an entry is a dict slot, its int
+# key and its share of the float its record stored; a listed first block is an ordered-map
+# node, its key and the small dict of endpoints recorded for it.
+BYTES_PER_ENTRY = 90
+BYTES_PER_ROOT = 250
 
 _DEPTH = 1 << 32
 _MISSING = -math.inf  # "touched" time of a hash an endpoint does not hold: older than any TTL
 
 
 class PrefixHasher:
-    """Chained block hashes of prompt text, at most `max_blocks` of them."""
+    """Chained block hashes of prompt text, at most `max_blocks` of them.
 
-    def __init__(self, block_chars: int = 64, max_blocks: int = 256) -> None:
+    The last `recent` prompts' hashed bytes and hashes are kept, by seed and first block: a
+    prompt that starts like one of them (the next turn of a conversation, another question
+    under the same system prompt) reuses the hashes of the blocks they share, found by
+    comparing bytes (memcmp), and hashes only the rest. The hashes are the same either way."""
+
+    def __init__(self, block_chars: int = 64, max_blocks: int = 256, recent: int = 128) -> None:
         if block_chars < 1 or max_blocks < 1:
             raise ValueError("block_chars and max_blocks must be positive")
         if max_blocks > 1 << 31:
             raise ValueError("max_blocks must be below 2**31 (the depth takes 32 bits)")
         self.block_chars = block_chars
         self.max_blocks = max_blocks
+        self.recent = recent
         self._blocks = struct.Struct(f"{block_chars}s").iter_unpack
+        self._recent: OrderedDict[tuple[int, bytes], tuple[bytes, list[int]]] = OrderedDict()
 
     def hashes(self, text: str, model: str, salt: str | None = None) -> list[int]:
         """Hashes of the full blocks of `text`; element k names the first k + 1 blocks."""
@@ -79,164 +88,312 @@ class PrefixHasher:
         # (a character is at least one byte, so this still covers every hashed block).
         data = text[: size * self.max_blocks].encode()
         count = min(len(data) // size, self.max_blocks)
+        if not count:
+            return []
+        data = data[: count * size]
         seed = int.from_bytes(hashlib.blake2b(f"{model}\x00{salt or ''}".encode(),
                                               digest_size=8).digest(), "little")
-        crc = seed & 0xFFFFFFFF
-        first = (seed >> 33) * _DEPTH
+        if not self.recent:
+            return self._chain(data, seed, [])
+        key = (seed, data[:size])
+        seen = self._recent.get(key)
+        if seen is None:
+            hashes = self._chain(data, seed, [])
+        else:
+            before, known = seen
+            shared = _shared_blocks(data, before, size)
+            hashes = known if shared == count == len(known) else self._chain(
+                data, seed, known[:shared])
+            self._recent.move_to_end(key)
+        self._recent[key] = (data, hashes)
+        if len(self._recent) > self.recent:
+            self._recent.popitem(last=False)
+        return hashes
+
+    def _chain(self, data: bytes, seed: int, known: list[int]) -> list[int]:
+        """`known` (the hashes of data's first blocks) extended to every block of `data`."""
+        size = self.block_chars
+        done = len(known)
+        count = len(data) // size
+        first = ((seed >> 33) + done) * _DEPTH
+        crc = known[-1] & 0xFFFFFFFF if known else seed & 0xFFFFFFFF
         crc32 = zlib.crc32
-        return [depth | (crc := crc32(block, crc))
-                for depth, (block,) in zip(range(first, first + count * _DEPTH, _DEPTH),
-                                            self._blocks(memoryview(data)[: count * size]),
-                                            strict=True)]
+        known += [depth | (crc := crc32(block, crc))
+                  for depth, (block,) in zip(range(first, first + (count - done) * _DEPTH,
+                                                   _DEPTH),
+                                              self._blocks(memoryview(data)[done * size:]),
+                                              strict=True)]
+        return known
+
+
+def _shared_blocks(data: bytes, other: bytes, size: int) -> int:
+    """How many leading `size`-byte blocks `data` and `other` have in common (C comparisons:
+    one when one extends the other, else a binary search)."""
+    blocks = min(len(data), len(other)) // size
+    if data[: blocks * size] == other[: blocks * size]:
+        return blocks
+    low, high = 0, blocks - 1  # the answer lies in low .. high
+    while low < high:
+        middle = (low + high + 1) // 2
+        if data[: middle * size] == other[: middle * size]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 class EndpointBlocks:
-    """Block hashes one endpoint probably holds, least recently touched first, with the time
-    each was last touched: at most `capacity` of them, and those untouched for `ttl` never
-    match (they are dropped on the next `record` after they expire)."""
+    """Block hashes one endpoint probably holds, with the time each was last touched, in two
+    generations: a touch puts its hashes in `young` (and takes them out of `old`); when `young`
+    has no room for a record it becomes `old` and the previous `old` retires. So at most
+    `capacity` hashes are held, once full at least about half of it (the most recently
+    touched), and hashes untouched for `ttl` never match.
 
-    __slots__ = ("_entries", "_sweep_at", "capacity", "evictions", "ttl")
+    Retired hashes are freed a few per record (as many as the record added, so a generation is
+    gone before the next one retires): no record pays for freeing half the capacity at once.
+    """
+
+    __slots__ = ("_generation", "_old_touched", "_retiring", "_young_touched", "capacity",
+                 "evictions", "old", "ttl", "young")
 
     def __init__(self, capacity: int, ttl: float) -> None:
-        self.capacity = max(1, capacity)
         self.ttl = ttl
         self.evictions = 0
-        self._entries: OrderedDict[int, float] = OrderedDict()
-        self._sweep_at = math.inf  # no entry expires before this time
+        self.young: dict[int, float] = {}
+        self.old: dict[int, float] = {}
+        self._retiring: dict[int, float] = {}
+        self._young_touched = self._old_touched = _MISSING  # newest touch in each generation
+        self.capacity = self._generation = 1
+        self._set_capacity(capacity)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self.young) + len(self.old)
 
     def __contains__(self, block_hash: int) -> bool:
-        return block_hash in self._entries
+        return block_hash in self.young or block_hash in self.old
+
+    @property
+    def stored(self) -> int:
+        """Entries in memory: those held and those of a retired generation not freed yet."""
+        return len(self.young) + len(self.old) + len(self._retiring)
 
     def record(self, hashes: Sequence[int], now: float) -> None:
-        """Touch `hashes` (deepest first, so the first blocks end most recent) and trim."""
-        entries = self._entries
-        move_to_end = entries.move_to_end
-        for block_hash in reversed(hashes):
-            entries[block_hash] = now
-            move_to_end(block_hash)
-        if now + self.ttl < self._sweep_at:
-            self._sweep_at = now + self.ttl
-        if len(entries) > self.capacity or now >= self._sweep_at:
-            self._trim(now)
-
-    def evict(self, hashes: Iterable[int]) -> None:
-        deque(map(self._entries.pop, hashes, repeat(None)), 0)
-
-    def clear(self) -> None:
-        self._entries.clear()
-        self._sweep_at = math.inf
-
-    def resize(self, capacity: int, now: float) -> None:
-        self.capacity = max(1, capacity)
-        if len(self._entries) > self.capacity:
-            self._trim(now)
-
-    def items(self) -> list[tuple[int, float]]:
-        """(hash, last touched) pairs, least recently touched first."""
-        return list(self._entries.items())
+        """Touch `hashes` (a chain, shallowest first) at `now`."""
+        self._touch(hashes, repeat(now), now)
 
     def load(self, hashes: Sequence[int], touched: Sequence[float], now: float) -> None:
         """Touch `hashes`, oldest first, each at its own time in `touched` (a snapshot's
-        `items()`, restored); then trim like `record`."""
-        if not hashes:
+        `items()`, restored); expired ones and those beyond the capacity are not kept."""
+        oldest = now - self.ttl
+        fresh = [(h, at) for h, at in zip(hashes, touched, strict=True) if at >= oldest]
+        fresh = fresh[len(fresh) - self.capacity:] if len(fresh) > self.capacity else fresh
+        self.evictions += len(hashes) - len(fresh)
+        step = max(1, self._generation // 2)
+        for start in range(0, len(fresh), step):
+            chunk = fresh[start:start + step]
+            self._touch([h for h, _ in chunk], (at for _, at in chunk), max(at for _, at in chunk))
+
+    def _touch(self, hashes: Sequence[int], times: Iterable[float], newest: float) -> None:
+        if len(hashes) > self.capacity:
+            hashes = hashes[: self.capacity]  # the shallowest blocks: still a held prefix
+        young, old = self.young, self.old
+        oldest = newest - self.ttl
+        if old and self._old_touched < oldest:
+            self._retire_old()  # every hash in it expired
+            old = self.old
+        if (len(young) + len(hashes) > self._generation
+                or len(young) + len(old) + len(hashes) > self.capacity
+                or self._young_touched < oldest):
+            self._rotate()
+            young, old = self.young, self.old
+            if len(old) + len(hashes) > self.capacity or self._old_touched < oldest:
+                self._retire_old()
+                old = self.old
+        size = len(young)
+        young.update(zip(hashes, times, strict=False))
+        if old:
+            deque(map(old.pop, hashes, repeat(None)), 0)
+        if newest > self._young_touched:
+            self._young_touched = newest
+        retiring = self._retiring
+        if retiring:
+            count = min(len(retiring), len(young) - size + 1)
+            deque(map(dict.popitem, repeat(retiring, count)), 0)
+
+    def _rotate(self) -> None:
+        """`young` becomes `old`; the previous `old` retires."""
+        self._retire_old()
+        self.old, self.young = self.young, {}
+        self._old_touched, self._young_touched = self._young_touched, _MISSING
+
+    def _retire_old(self) -> None:
+        old = self.old
+        if not old:
             return
-        entries = self._entries
-        move_to_end = entries.move_to_end
-        for block_hash, at in zip(hashes, touched, strict=True):
-            entries[block_hash] = at
-            move_to_end(block_hash)
-        self._sweep_at = min(self._sweep_at, min(touched) + self.ttl)
-        if len(entries) > self.capacity or now >= self._sweep_at:
-            self._trim(now)
+        self.evictions += len(old)
+        if self._retiring:
+            self._retiring.clear()  # only when generations retire back to back (resize, TTL)
+        self._retiring, self.old = old, {}
+        self._old_touched = _MISSING
+
+    def evict(self, hashes: Iterable[int]) -> None:
+        for block_hash in hashes:
+            if self.young.pop(block_hash, None) is None:
+                self.old.pop(block_hash, None)
+
+    def clear(self) -> None:
+        self.young.clear()
+        self.old.clear()
+        self._retiring.clear()
+        self._young_touched = self._old_touched = _MISSING
+
+    def resize(self, capacity: int, now: float) -> None:
+        self._set_capacity(capacity)
+
+    def _set_capacity(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self._generation = max(1, self.capacity // 2)
+        if len(self) > self.capacity:
+            self._retire_old()
+        excess = len(self.young) - self.capacity
+        if excess > 0:  # the newest entries go: each chain's deepest blocks were added last
+            deque(map(dict.popitem, repeat(self.young, excess)), 0)
+            self.evictions += excess
+
+    def items(self) -> list[tuple[int, float]]:
+        """(hash, last touched) pairs, the older generation first."""
+        return [*self.old.items(), *self.young.items()]
+
+    def touched(self, block_hash: int) -> float:
+        """When `block_hash` was last touched (minus infinity if it is not held)."""
+        at = self.young.get(block_hash, _MISSING)
+        return at if at != _MISSING else self.old.get(block_hash, _MISSING)
 
     def depth(self, hashes: Sequence[int], now: float) -> int:
         """How many leading blocks of `hashes` are held (binary search over the chain)."""
-        entries = self._entries
-        oldest = now - self.ttl
         if not hashes:
             return 0
-        if entries.get(hashes[0], _MISSING) < oldest:
+        oldest = now - self.ttl
+        touched = self.touched
+        if touched(hashes[0]) < oldest:
             return 0  # the common case on a large fleet: one lookup, no search
-        if entries.get(hashes[-1], _MISSING) >= oldest:
+        if touched(hashes[-1]) >= oldest:
             return len(hashes)  # the whole prompt is held: one more lookup, no search
         low, high = 1, len(hashes) - 1
         while low < high:
             middle = (low + high + 1) // 2
-            if entries.get(hashes[middle - 1], _MISSING) >= oldest:
+            if touched(hashes[middle - 1]) >= oldest:
                 low = middle
             else:
                 high = middle - 1
         return low
 
-    def _trim(self, now: float) -> None:
-        """Drop the oldest entries while they are expired or over capacity, in C loops."""
-        entries = self._entries
-        expired = len(list(takewhile(partial(operator.gt, now - self.ttl), entries.values())))
-        drop = max(expired, len(entries) - self.capacity)
-        if drop > 0:
-            deque(map(entries.popitem, repeat(False, drop)), 0)
-            self.evictions += drop
-        self._sweep_at = next(iter(entries.values()), math.inf) + self.ttl
+
+_NOTHING_HELD = EndpointBlocks(1, 0.0)  # read (never written) for endpoints with no entries
+_YOUNG = operator.attrgetter("young")
+_OLD = operator.attrgetter("old")
+
+
+def _held(tables: list[EndpointBlocks], block_hash: int, oldest: float) -> Iterator[bool]:
+    """Whether each endpoint holds `block_hash`, touched at `oldest` or later (C loops over
+    both generations)."""
+    young = map(dict.get, map(_YOUNG, tables), repeat(block_hash), repeat(_MISSING))
+    old = map(dict.get, map(_OLD, tables), repeat(block_hash), repeat(_MISSING))
+    return map(partial(operator.le, oldest), map(max, young, old))
 
 
 class PrefixIndex:
-    """Per-endpoint `EndpointBlocks`, created on first use with `default_capacity`."""
+    """Per-endpoint `EndpointBlocks`, created on first use with `default_capacity`, and a map
+    from each recently recorded chain's first block to the endpoints it was recorded on.
+
+    That map lets `match` look only at the endpoints that may hold a prompt's first block
+    instead of at every endpoint: for a prompt nobody holds, one lookup. It is a superset of
+    the holders (an endpoint that evicted the block stays listed until `match` sees that) and
+    keeps the last `max_roots` first blocks. When one is dropped while possibly still held,
+    or entries arrive from a snapshot (whose chains are not known), the map is incomplete until
+    those entries expire (`ttl`), and `match` looks at every endpoint meanwhile.
+    """
 
     def __init__(self, default_capacity: int = 31_250, ttl: float = 600.0,
-                 max_capacity: int = 1_000_000) -> None:
+                 max_capacity: int = 1_000_000, max_roots: int = 16_384) -> None:
         self.default_capacity = default_capacity
         self.max_capacity = max_capacity
         self.ttl = ttl
+        self.max_roots = max_roots
         self._blocks: dict[str, EndpointBlocks] = {}
-        self._tables: dict[str, OrderedDict[int, float]] = {}  # each EndpointBlocks' dict, by name
+        self._roots: OrderedDict[int, dict[str, EndpointBlocks]] = OrderedDict()
+        self._incomplete_until = -math.inf  # until then an endpoint may hold an unlisted root
 
     def _for(self, endpoint: str) -> EndpointBlocks:
         blocks = self._blocks.get(endpoint)
         if blocks is None:
             blocks = self._blocks[endpoint] = EndpointBlocks(self.default_capacity, self.ttl)
-            self._tables[endpoint] = blocks._entries
         return blocks
 
-    def match(self, hashes: Sequence[int], endpoints: Iterable[str],
-              now: float | None = None) -> dict[str, int]:
-        """Matched leading blocks per endpoint (0 for endpoints holding none).
+    def match(self, hashes: Sequence[int], now: float | None = None) -> dict[str, int]:
+        """Matched leading blocks of `hashes` on every endpoint that holds the first one.
 
-        One C-level pass looks the first block up on every endpoint. The first endpoint that
-        holds it binary-searches its depth d; endpoints that share a prefix mostly hold the
-        same d blocks (one system prompt), so two more passes check "holds block d - 1 and not
-        block d" on the others, and only those that differ search."""
-        names = list(endpoints)
-        depths = dict.fromkeys(names, 0)
+        The endpoints listed for the first block (or, while that list may be incomplete,
+        every endpoint) are checked for it in one C-level pass. The first that holds it
+        binary-searches its depth d; endpoints that share a prefix mostly hold the same d
+        blocks (one system prompt), so two more passes check "holds block d - 1 and not block
+        d" on the others, and only those that differ search."""
         if not hashes:
-            return depths
+            return {}
         now = time.monotonic() if now is None else now
         oldest = now - self.ttl
-        holders = list(compress(names, self._held(names, hashes[0], oldest)))
+        listed = self._roots.get(hashes[0])
+        if now < self._incomplete_until:
+            names, tables = list(self._blocks), list(self._blocks.values())
+        elif listed is None:
+            return {}
+        else:
+            names, tables = list(listed), list(listed.values())
+        first = list(_held(tables, hashes[0], oldest))
+        if listed is not None and not all(first):
+            for name, held in zip(names, first, strict=True):
+                if not held:
+                    listed.pop(name, None)  # evicted or expired there: forget it
+        holders = list(compress(names, first))
         if not holders:
-            return depths
-        blocks = self._blocks
-        depth = depths[holders[0]] = blocks[holders[0]].depth(hashes, now)
-        others = holders[1:]
-        deeper = (self._held(others, hashes[depth], oldest) if depth < len(hashes)
+            return {}
+        tables = list(compress(tables, first))
+        depth = tables[0].depth(hashes, now)
+        depths = dict.fromkeys(holders, depth)
+        others = tables[1:]
+        deeper = (_held(others, hashes[depth], oldest) if depth < len(hashes)
                   else repeat(False, len(others)))
-        for name, same, more in zip(others, self._held(others, hashes[depth - 1], oldest),
-                                    deeper, strict=True):
-            depths[name] = depth if same and not more else blocks[name].depth(hashes, now)
+        for name, blocks, same, more in zip(holders[1:], others,
+                                            _held(others, hashes[depth - 1], oldest), deeper,
+                                            strict=True):
+            if not same or more:
+                depths[name] = blocks.depth(hashes, now)
         return depths
-
-    def _held(self, names: list[str], block_hash: int, oldest: float) -> Iterator[bool]:
-        """Whether each endpoint holds `block_hash`, touched at `oldest` or later (C loops)."""
-        touched = map(dict.get, map(self._tables.get, names, repeat({})),
-                      repeat(block_hash), repeat(_MISSING))
-        return map(partial(operator.le, oldest), touched)
 
     def record(self, endpoint: str, hashes: Sequence[int], now: float | None = None) -> None:
         """`endpoint` now holds the prefix `hashes` (a routing decision or an engine event)."""
+        if not hashes:
+            return
+        now = time.monotonic() if now is None else now
+        blocks = self._for(endpoint)
+        blocks.record(hashes, now)
+        roots = self._roots
+        listed = roots.get(hashes[0])
+        if listed is None:
+            listed = roots[hashes[0]] = {}
+            if len(roots) > self.max_roots:
+                roots.popitem(last=False)
+                self._incomplete_until = now + self.ttl
+        else:
+            roots.move_to_end(hashes[0])
+        listed[endpoint] = blocks
+
+    def load(self, endpoint: str, hashes: Sequence[int], touched: Sequence[float],
+             now: float) -> None:
+        """Restore `endpoint`'s entries from a snapshot (`EndpointBlocks.load`)."""
+        self._for(endpoint).load(hashes, touched, now)
         if hashes:
-            self._for(endpoint).record(hashes, time.monotonic() if now is None else now)
+            self._incomplete_until = max(self._incomplete_until, max(touched) + self.ttl)
 
     def evict(self, endpoint: str, hashes: Iterable[int]) -> None:
         """`endpoint` no longer holds these blocks (an engine's BlockRemoved event)."""
@@ -263,11 +420,21 @@ class PrefixIndex:
             return len(blocks) if blocks is not None else 0
         return sum(len(b) for b in self._blocks.values())
 
+    def stored(self) -> int:
+        """Entries in memory, held or retired and not freed yet (see `EndpointBlocks`)."""
+        return sum(b.stored for b in self._blocks.values())
+
     def evictions(self, endpoint: str) -> int:
         blocks = self._blocks.get(endpoint)
         return blocks.evictions if blocks is not None else 0
 
     @property
     def memory_bytes(self) -> int:
-        """Estimated memory held by the index (entries x measured bytes per entry)."""
-        return self.entries() * BYTES_PER_ENTRY
+        """Estimated memory held by the index (stored entries and listed first blocks, times
+        their measured sizes)."""
+        return self.stored() * BYTES_PER_ENTRY + self.roots * BYTES_PER_ROOT
+
+    @property
+    def roots(self) -> int:
+        """First blocks listed with the endpoints they were recorded on."""
+        return len(self._roots)

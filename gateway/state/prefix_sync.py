@@ -59,7 +59,7 @@ class SharedPrefixIndex(PrefixIndex):
             offset += 8 * count
             ages = struct.unpack_from(f"<{count}f", data, offset)
             offset += 4 * count
-            self._for(endpoint).load(hashes, [now - age for age in ages], now)
+            self.load(endpoint, hashes, [now - age for age in ages], now)
 
 
 def encode_delta(endpoint: str, hashes: Sequence[int]) -> bytes:

@@ -244,7 +244,9 @@ def test_a_large_pool_scores_a_shortlist_that_keeps_prefix_holders_and_the_sessi
     for i in range(40):  # cold prompts: a fresh random sample each time
         request = ctx(f"cold prompt number {i} " * 8, headers=explain)
         picker.choose(request)
-        sampled.update(_scored(request))
+        scored = _scored(request)
+        assert 7 <= len(scored) == len(set(scored)) <= 8  # 8, less the saturated holder
+        sampled.update(scored)
     assert len(sampled) > 20
 
 

@@ -8,7 +8,13 @@ import zlib
 
 import pytest
 
-from gateway.routing.prefix_index import BYTES_PER_ENTRY, EndpointBlocks, PrefixHasher, PrefixIndex
+from gateway.routing.prefix_index import (
+    BYTES_PER_ENTRY,
+    BYTES_PER_ROOT,
+    EndpointBlocks,
+    PrefixHasher,
+    PrefixIndex,
+)
 from gateway.routing.prompt_text import prompt_text
 
 HASHER = PrefixHasher(block_chars=8, max_blocks=4)
@@ -67,24 +73,65 @@ def test_multibyte_text_is_cut_in_bytes_and_capped():
     assert hasher.hashes("ü" * 100, "m") == PrefixHasher(8, 50).hashes("ü" * 100, "m")[:3]
 
 
-def test_lru_is_bounded_and_evicts_deepest_blocks_first():
-    blocks = EndpointBlocks(capacity=3, ttl=100)
+def test_reusing_recent_prompts_gives_the_same_hashes_as_hashing_from_scratch():
+    import random
+
+    rng = random.Random(7)
+    systems = ["".join(rng.choice("abcü ") for _ in range(rng.randrange(40, 200)))
+               for _ in range(4)]
+    remembering, scratch = PrefixHasher(8, 40, recent=3), PrefixHasher(8, 40, recent=0)
+    history = ""
+    for step in range(300):
+        kind = rng.randrange(4)
+        if kind == 0:  # the next turn of a conversation
+            history += "".join(rng.choice("xyz ") for _ in range(rng.randrange(30)))
+            text = history
+        elif kind == 1:  # another question under a shared system prompt
+            text = rng.choice(systems) + str(rng.random())
+        elif kind == 2:  # a shorter prefix of something seen
+            text = rng.choice(systems)[: rng.randrange(60)]
+        else:
+            text = str(rng.random()) * rng.randrange(1, 30)
+        model, salt = rng.choice([("m", None), ("m", "s"), ("other", None)])
+        assert remembering.hashes(text, model, salt) == scratch.hashes(text, model, salt), step
+
+
+def test_the_recent_prompts_kept_are_bounded():
+    hasher = PrefixHasher(8, 40, recent=3)
+    for i in range(10):
+        hasher.hashes(f"{i:08d}" * 5, "m")
+    assert len(hasher._recent) == 3
+
+
+def test_two_generations_bound_the_entries_and_keep_the_recent_ones():
+    blocks = EndpointBlocks(capacity=8, ttl=100)  # generations of 4
     blocks.record([1, 2, 3], now=0)
-    blocks.record([10, 20], now=1)
-    assert len(blocks) == 3 and blocks.evictions == 2
-    assert 10 in blocks and 20 in blocks and 1 in blocks  # 3 then 2 went first
-    assert blocks.depth([1, 2, 3], now=1) == 1
-    assert blocks.depth([10, 20, 30], now=1) == 2
+    blocks.record([10, 20], now=1)  # no room in the young generation: [1, 2, 3] grows old
+    blocks.record([30], now=2)
+    assert len(blocks) == 6 and blocks.evictions == 0
+    assert blocks.depth([1, 2, 3], now=2) == 3 and blocks.depth([10, 20, 99], now=2) == 2
+    blocks.record([40, 50], now=3)  # [10, 20, 30] grow old; [1, 2, 3] go
+    assert len(blocks) == 5 and blocks.evictions == 3
+    assert 1 not in blocks and blocks.depth([1, 2, 3], now=3) == 0
+    assert blocks.depth([10, 20, 99], now=3) == 2
 
 
-def test_retouching_moves_a_chain_behind_newer_ones():
-    blocks = EndpointBlocks(capacity=4, ttl=100)
+def test_retouching_brings_a_chain_back_to_the_young_generation():
+    blocks = EndpointBlocks(capacity=8, ttl=100)
     blocks.record([1, 2], now=0)
     blocks.record([10, 20], now=1)
-    blocks.record([1, 2], now=2)  # now the most recent: [10, 20] goes first
-    blocks.record([5], now=3)
-    assert 20 not in blocks and {1, 2, 5, 10} == {h for h, _ in blocks.items()}
-    assert blocks.items()[-1] == (5, 3)
+    blocks.record([30, 40], now=2)  # [1, 2] and [10, 20] grow old
+    blocks.record([1, 2], now=3)  # back to the young generation
+    blocks.record([5], now=4)  # [30, 40, 1, 2] grow old; [10, 20] go
+    assert 10 not in blocks and 20 not in blocks and blocks.evictions == 2
+    assert blocks.items() == [(30, 2), (40, 2), (1, 3), (2, 3), (5, 4)]
+
+
+def test_a_record_larger_than_the_capacity_keeps_its_first_blocks():
+    blocks = EndpointBlocks(capacity=4, ttl=100)
+    blocks.record([7, 8], now=0)
+    blocks.record(list(range(10)), now=1)
+    assert len(blocks) == 4 and blocks.depth(list(range(10)), now=1) == 4 and 7 not in blocks
 
 
 def _chains(count: int, length: int) -> list[list[int]]:
@@ -92,14 +139,18 @@ def _chains(count: int, length: int) -> list[list[int]]:
     return [hasher.hashes(f"{i:08d}" + "x" * 8 * (length - 1), "m") for i in range(count)]
 
 
-def test_capacity_is_never_exceeded_and_trimming_goes_deepest_first():
+def test_capacity_is_never_exceeded_and_every_chain_is_held_as_a_prefix():
     blocks = EndpointBlocks(capacity=160, ttl=1000)
     chains = _chains(40, 24)
     inserted = 0
     for step, chain in enumerate(chains + chains[::3]):
         inserted += sum(h not in blocks for h in chain)
         blocks.record(chain, now=step)
-        assert len(blocks) == min(inserted, blocks.capacity)
+        assert len(blocks) <= blocks.capacity
+        if inserted >= blocks.capacity:  # once full, at least half of it minus one record
+            assert len(blocks) > blocks.capacity // 2 - len(chain)
+        else:
+            assert len(blocks) == inserted
         for other in chains:  # every chain is held as a prefix: depth stays exact
             held = [h in blocks for h in other]
             depth = held.index(False) if False in held else len(held)
@@ -117,64 +168,93 @@ def test_resize_trims_to_the_new_capacity():
     assert blocks.depth(list(range(900)), now=1) == 100
 
 
-def test_ttl_expires_entries_for_lookups_at_once_and_drops_them_on_the_next_record():
+def test_ttl_expires_entries_for_lookups_at_once_and_frees_them_with_their_generation():
     blocks = EndpointBlocks(capacity=10, ttl=16)
     blocks.record([1, 2], now=0)
     blocks.record([3], now=4)
     assert blocks.depth([1, 2], now=15) == 2
     assert blocks.depth([1, 2], now=16.5) == 0
-    assert blocks.depth([3], now=16.5) == 1
-    assert len(blocks) == 3 and blocks.evictions == 0
+    assert blocks.depth([3], now=20) == 1  # exactly ttl old: still held
     blocks.record([7], now=16.5)
-    assert blocks.items() == [(3, 4), (7, 16.5)] and blocks.evictions == 2
-    blocks.record([7], now=19)
-    assert blocks.items() == [(3, 4), (7, 19)]
-    blocks.record([8], now=20)
-    assert blocks.items() == [(3, 4), (7, 19), (8, 20)]  # exactly ttl old: still held
-    blocks.record([8], now=20.5)
-    assert blocks.items() == [(7, 19), (8, 20.5)] and blocks.evictions == 3
+    assert len(blocks) == 4 and blocks.evictions == 0  # [1, 2] are stored but never match
+    assert blocks.depth([1, 2], now=16.5) == 0 and blocks.depth([7], now=16.5) == 1
+    blocks.record([8], now=40)  # everything else expired: both generations go
+    assert blocks.items() == [(8, 40)] and blocks.evictions == 4
 
 
-def test_load_restores_order_and_times():
-    blocks = EndpointBlocks(capacity=3, ttl=10)
-    blocks.load([3, 2, 1, 9], [1.0, 2.0, 2.0, 2.5], now=12.0)  # 3 expired; one over capacity
+def test_retired_generations_are_freed_a_few_entries_per_record():
+    blocks = EndpointBlocks(capacity=200, ttl=1000)
+    chains = _chains(60, 10)
+    most_stored = 0
+    for step, chain in enumerate(chains):
+        blocks.record(chain, now=step)
+        most_stored = max(most_stored, blocks.stored)
+    assert blocks.evictions > 100 and most_stored <= blocks.capacity + blocks.capacity // 2
+    assert blocks.stored - len(blocks) < 10  # the last retired generation is nearly gone
+
+
+def test_load_restores_generations_and_times():
+    blocks = EndpointBlocks(capacity=4, ttl=10)
+    blocks.load([3, 2, 1, 9], [1.0, 2.0, 2.0, 2.5], now=12.0)  # 3 expired
     assert blocks.items() == [(2, 2.0), (1, 2.0), (9, 2.5)] and blocks.evictions == 1
     assert blocks.depth([1, 2, 3], now=12.0) == 2
+    small = EndpointBlocks(capacity=2, ttl=10)
+    small.load([3, 2, 1, 9], [1.0, 2.0, 2.0, 2.5], now=12.0)  # and one over capacity
+    assert {h for h, _ in small.items()} == {1, 9} and small.evictions == 2
 
 
 def test_index_match_record_evict_clear_and_memory():
     index = PrefixIndex(default_capacity=100, ttl=60)
     hashes = [11, 12, 13, 14]
-    assert index.match(hashes, ["a", "b"]) == {"a": 0, "b": 0}
+    assert index.match(hashes) == {}
     index.record("a", hashes[:3])
     index.record("b", hashes[:1])
     index.record("d", hashes)
     index.record("e", hashes, now=time.monotonic() - 61)
-    assert index.match(hashes, ["a", "b", "c", "d", "e"]) == {"a": 3, "b": 1, "c": 0, "d": 4,
-                                                             "e": 0}
-    assert index.match(hashes, (name for name in "ad")) == {"a": 3, "d": 4}
-    assert index.match([], ["a"]) == {"a": 0}
+    assert index.match(hashes) == {"a": 3, "b": 1, "d": 4}  # e's entries expired
+    assert index.match(hashes[1:]) == {} and index.match([]) == {}
     index.clear("d")
     index.clear("e")
     index.evict("a", [13])
-    assert index.match(hashes, ["a"]) == {"a": 2}
-    assert index.entries() == 3 and index.memory_bytes == 3 * BYTES_PER_ENTRY
+    assert index.match(hashes) == {"a": 2, "b": 1}
+    assert index.entries() == index.stored() == 3 and index.roots == 1
+    assert index.memory_bytes == 3 * BYTES_PER_ENTRY + BYTES_PER_ROOT
     index.clear("a")
     assert index.entries("a") == 0
     index.set_capacity("b", 10**9)
     assert index.capacity("b") == index.max_capacity
 
 
+def test_match_finds_holders_whose_first_block_is_no_longer_listed():
+    index = PrefixIndex(default_capacity=100, ttl=60, max_roots=2)
+    index.record("a", [1, 2], now=0)
+    index.record("b", [5], now=1)
+    assert index.match([9, 10], now=1) == {}
+    index.record("c", [7], now=2)  # [1, 2]'s first block is no longer listed
+    assert index.match([1, 2], now=3) == {"a": 2}
+    assert index.match([1, 2], now=62.5) == {}  # expired, as is the listing gap
+
+
+def test_an_endpoint_that_evicted_a_prompt_is_no_longer_asked():
+    index = PrefixIndex(default_capacity=100, ttl=60)
+    index.record("a", [1, 2], now=0)
+    index.record("b", [1, 2], now=0)
+    index.evict("a", [1, 2])
+    assert index.match([1, 2], now=1) == {"b": 2}
+    assert list(index._roots[1]) == ["b"]
+
+
 @pytest.mark.parametrize("order", ["abcdef", "fedcba", "dacfbe"])
-def test_match_gives_each_endpoint_its_own_depth_whoever_is_asked_first(order):
+def test_match_gives_each_endpoint_its_own_depth_whoever_recorded_first(order):
     index = PrefixIndex(default_capacity=100, ttl=60)
     chain = list(range(100, 108))
     held = {"a": 3, "b": 1, "c": 3, "d": 5, "e": 8, "f": 0}
-    for name, depth in held.items():
-        index.record(name, chain[:depth])
+    for name in order:
+        index.record(name, chain[:held[name]])
     index.record("f", [1, 2, 3])
-    assert index.match(chain, list(order)) == {name: held[name] for name in order}
-    assert index.match(chain[:3], list(order)) == {name: min(held[name], 3) for name in order}
+    assert index.match(chain) == {name: depth for name, depth in held.items() if depth}
+    assert index.match(chain[:3]) == {name: min(depth, 3) for name, depth in held.items()
+                                      if depth}
 
 
 def test_memory_stays_bounded_under_many_prompts():
@@ -186,9 +266,10 @@ def test_memory_stays_bounded_under_many_prompts():
         index.record("a", hashes)
         recorded += len(hashes)
         assert index.entries("a") <= 1000
-    assert index.entries("a") == 1000
+    assert index.entries("a") > 1000 // 2 - len(hashes)
     assert index.evictions("a") == recorded - index.entries("a")  # all prompts distinct
-    assert index.memory_bytes == index.entries() * BYTES_PER_ENTRY
+    assert index.entries() <= index.stored() <= 1500 and index.roots == 300
+    assert index.memory_bytes == index.stored() * BYTES_PER_ENTRY + 300 * BYTES_PER_ROOT
 
 
 def test_prompt_text_is_prefix_preserving_across_turns():

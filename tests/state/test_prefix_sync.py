@@ -27,8 +27,8 @@ def test_snapshot_restores_entries_with_their_age():
     source.record("b", chain[:3])
     copy = SharedPrefixIndex(MemoryStore(), ttl=100)
     copy.restore(source.snapshot())
-    assert copy.match(chain, ["a", "b", "c"]) == {"a": len(chain), "b": 3, "c": 0}
-    assert copy.match(chain, ["a"], now=time.monotonic() + 60) == {"a": 0}
+    assert copy.match(chain) == {"a": len(chain), "b": 3}
+    assert copy.match(chain, now=time.monotonic() + 60) == {"b": 3}  # a's entries expired
 
 
 async def test_decisions_on_one_replica_are_matched_on_the_others(redis_server):
@@ -41,11 +41,10 @@ async def test_decisions_on_one_replica_are_matched_on_the_others(redis_server):
         chain = PrefixHasher().hashes("system prompt " * 200, "m", salt="tenant-a")
         indexes[0].record("pool-1", chain)
         deadline = time.monotonic() + 5
-        while indexes[2].match(chain, ["pool-1"])["pool-1"] < len(chain):
+        while indexes[2].match(chain).get("pool-1", 0) < len(chain):
             assert time.monotonic() < deadline
             await asyncio.sleep(0.01)
-        assert indexes[1].match(chain, ["pool-0", "pool-1"]) == {"pool-0": 0,
-                                                                "pool-1": len(chain)}
+        assert indexes[1].match(chain) == {"pool-1": len(chain)}
     finally:
         for store in stores:
             await store.stop()
