@@ -409,8 +409,8 @@ def micro() -> dict[str, Any]:
         roots.record(f"e{i % 64}", chain, now=1.0)
     end = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
-    out["index_bytes_per_entry"] = (after - before) / blocks.stored
-    out["index_bytes_per_root"] = (end - middle - roots.stored() * out["index_bytes_per_entry"]
+    out["index_bytes_per_entry"] = (after - before) / len(blocks)
+    out["index_bytes_per_root"] = (end - middle - roots.entries() * out["index_bytes_per_entry"]
                                    ) / len(chains)
     return out
 

@@ -3,7 +3,7 @@
     PoolRouter ── model → home pool ──▶ PolicyPicker (one per pool, its RoutingPolicy)
         candidates (routable, serving the model, in the profile's pools, not excluded)
         → prefix match computed once per request (producer; scorers only read it)
-        → shortlist of a pool larger than `routing.max_candidates` (holders, session, sample)
+        → shortlist of a pool larger than `routing.max_candidates` (holders, session, window)
         → one load snapshot per candidate (EndpointLoad), read by everything after it
         → filters → saturation (→ fallback pool / model, or queue / reject)
         → scorers, clamped and weighted here → picker → record the decision in the index

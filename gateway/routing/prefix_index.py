@@ -32,8 +32,12 @@ two C calls (set its time, move it to the end); with 64 endpoints holding thousa
 each this is bound by memory access, and the alternatives measured worse: bulk C passes over the
 hashes touch each entry's memory twice, and a plain dict reordered by pop and re-insert was a
 fifth faster at the median but three times slower at p99 (its removed slots make the dict
-rebuild itself every few dozen records). Trimming drops expired and over-capacity entries from
-the front in one C loop.
+rebuild itself every few dozen records), and two generations of plain dicts (one C-level
+update per record, a third of the cost) held between half and all of the capacity, so the
+index forgot prefixes the engines still held and hit rates fell by a tenth in
+`benchmarks/routing.py`. Trimming drops expired and over-capacity entries from the front in one
+C loop. For each recorded chain's first block the index lists the endpoints it went to, so
+`match` asks only those (see `PrefixIndex`).
 
 The update API is a stream of small events — `record(endpoint, hashes)`, `evict(endpoint,
 hashes)`, `clear(endpoint)` — so that replicas can later share the index as deltas.
@@ -50,12 +54,12 @@ import zlib
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Sequence
 from functools import partial
-from itertools import compress, repeat
+from itertools import compress, repeat, takewhile
 
-# Measured with tracemalloc (benchmarks/routing.py --micro): an entry is a dict slot, its int
-# key and its share of the float its record stored; a listed first block is an ordered-map
-# node, its key and the small dict of endpoints recorded for it.
-BYTES_PER_ENTRY = 90
+# Measured with tracemalloc (benchmarks/routing.py --micro): an entry is an ordered-dict slot
+# and link and its int key (140-210 B with the table's fill; the float is shared by a record);
+# a listed first block is an ordered-map node, its key and the small dict of its endpoints.
+BYTES_PER_ENTRY = 200
 BYTES_PER_ROOT = 250
 
 _DEPTH = 1 << 32
@@ -143,163 +147,104 @@ def _shared_blocks(data: bytes, other: bytes, size: int) -> int:
 
 
 class EndpointBlocks:
-    """Block hashes one endpoint probably holds, with the time each was last touched, in two
-    generations: a touch puts its hashes in `young` (and takes them out of `old`); when `young`
-    has no room for a record it becomes `old` and the previous `old` retires. So at most
-    `capacity` hashes are held, once full at least about half of it (the most recently
-    touched), and hashes untouched for `ttl` never match.
+    """Block hashes one endpoint probably holds, least recently touched first, with the time
+    each was last touched: at most `capacity` of them, and those untouched for `ttl` never
+    match (they are dropped on the next `record` after they expire)."""
 
-    Retired hashes are freed a few per record (as many as the record added, so a generation is
-    gone before the next one retires): no record pays for freeing half the capacity at once.
-    """
-
-    __slots__ = ("_generation", "_old_touched", "_retiring", "_young_touched", "capacity",
-                 "evictions", "old", "ttl", "young")
+    __slots__ = ("_entries", "_sweep_at", "capacity", "evictions", "ttl")
 
     def __init__(self, capacity: int, ttl: float) -> None:
+        self.capacity = max(1, capacity)
         self.ttl = ttl
         self.evictions = 0
-        self.young: dict[int, float] = {}
-        self.old: dict[int, float] = {}
-        self._retiring: dict[int, float] = {}
-        self._young_touched = self._old_touched = _MISSING  # newest touch in each generation
-        self.capacity = self._generation = 1
-        self._set_capacity(capacity)
+        self._entries: OrderedDict[int, float] = OrderedDict()
+        self._sweep_at = math.inf  # no entry expires before this time
 
     def __len__(self) -> int:
-        return len(self.young) + len(self.old)
+        return len(self._entries)
 
     def __contains__(self, block_hash: int) -> bool:
-        return block_hash in self.young or block_hash in self.old
-
-    @property
-    def stored(self) -> int:
-        """Entries in memory: those held and those of a retired generation not freed yet."""
-        return len(self.young) + len(self.old) + len(self._retiring)
+        return block_hash in self._entries
 
     def record(self, hashes: Sequence[int], now: float) -> None:
-        """Touch `hashes` (a chain, shallowest first) at `now`."""
-        self._touch(hashes, repeat(now), now)
+        """Touch `hashes` (deepest first, so the first blocks end most recent) and trim."""
+        entries = self._entries
+        move_to_end = entries.move_to_end
+        for block_hash in reversed(hashes):
+            entries[block_hash] = now
+            move_to_end(block_hash)
+        if now + self.ttl < self._sweep_at:
+            self._sweep_at = now + self.ttl
+        if len(entries) > self.capacity or now >= self._sweep_at:
+            self._trim(now)
+
+    def evict(self, hashes: Iterable[int]) -> None:
+        deque(map(self._entries.pop, hashes, repeat(None)), 0)
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._sweep_at = math.inf
+
+    def resize(self, capacity: int, now: float) -> None:
+        self.capacity = max(1, capacity)
+        if len(self._entries) > self.capacity:
+            self._trim(now)
+
+    def items(self) -> list[tuple[int, float]]:
+        """(hash, last touched) pairs, least recently touched first."""
+        return list(self._entries.items())
 
     def load(self, hashes: Sequence[int], touched: Sequence[float], now: float) -> None:
         """Touch `hashes`, oldest first, each at its own time in `touched` (a snapshot's
-        `items()`, restored); expired ones and those beyond the capacity are not kept."""
-        oldest = now - self.ttl
-        fresh = [(h, at) for h, at in zip(hashes, touched, strict=True) if at >= oldest]
-        fresh = fresh[len(fresh) - self.capacity:] if len(fresh) > self.capacity else fresh
-        self.evictions += len(hashes) - len(fresh)
-        step = max(1, self._generation // 2)
-        for start in range(0, len(fresh), step):
-            chunk = fresh[start:start + step]
-            self._touch([h for h, _ in chunk], (at for _, at in chunk), max(at for _, at in chunk))
-
-    def _touch(self, hashes: Sequence[int], times: Iterable[float], newest: float) -> None:
-        if len(hashes) > self.capacity:
-            hashes = hashes[: self.capacity]  # the shallowest blocks: still a held prefix
-        young, old = self.young, self.old
-        oldest = newest - self.ttl
-        if old and self._old_touched < oldest:
-            self._retire_old()  # every hash in it expired
-            old = self.old
-        if (len(young) + len(hashes) > self._generation
-                or len(young) + len(old) + len(hashes) > self.capacity
-                or self._young_touched < oldest):
-            self._rotate()
-            young, old = self.young, self.old
-            if len(old) + len(hashes) > self.capacity or self._old_touched < oldest:
-                self._retire_old()
-                old = self.old
-        size = len(young)
-        young.update(zip(hashes, times, strict=False))
-        if old:
-            deque(map(old.pop, hashes, repeat(None)), 0)
-        if newest > self._young_touched:
-            self._young_touched = newest
-        retiring = self._retiring
-        if retiring:
-            count = min(len(retiring), len(young) - size + 1)
-            deque(map(dict.popitem, repeat(retiring, count)), 0)
-
-    def _rotate(self) -> None:
-        """`young` becomes `old`; the previous `old` retires."""
-        self._retire_old()
-        self.old, self.young = self.young, {}
-        self._old_touched, self._young_touched = self._young_touched, _MISSING
-
-    def _retire_old(self) -> None:
-        old = self.old
-        if not old:
+        `items()`, restored); then trim like `record`."""
+        if not hashes:
             return
-        self.evictions += len(old)
-        if self._retiring:
-            self._retiring.clear()  # only when generations retire back to back (resize, TTL)
-        self._retiring, self.old = old, {}
-        self._old_touched = _MISSING
-
-    def evict(self, hashes: Iterable[int]) -> None:
-        for block_hash in hashes:
-            if self.young.pop(block_hash, None) is None:
-                self.old.pop(block_hash, None)
-
-    def clear(self) -> None:
-        self.young.clear()
-        self.old.clear()
-        self._retiring.clear()
-        self._young_touched = self._old_touched = _MISSING
-
-    def resize(self, capacity: int, now: float) -> None:
-        self._set_capacity(capacity)
-
-    def _set_capacity(self, capacity: int) -> None:
-        self.capacity = max(1, capacity)
-        self._generation = max(1, self.capacity // 2)
-        if len(self) > self.capacity:
-            self._retire_old()
-        excess = len(self.young) - self.capacity
-        if excess > 0:  # the newest entries go: each chain's deepest blocks were added last
-            deque(map(dict.popitem, repeat(self.young, excess)), 0)
-            self.evictions += excess
-
-    def items(self) -> list[tuple[int, float]]:
-        """(hash, last touched) pairs, the older generation first."""
-        return [*self.old.items(), *self.young.items()]
-
-    def touched(self, block_hash: int) -> float:
-        """When `block_hash` was last touched (minus infinity if it is not held)."""
-        at = self.young.get(block_hash, _MISSING)
-        return at if at != _MISSING else self.old.get(block_hash, _MISSING)
+        entries = self._entries
+        move_to_end = entries.move_to_end
+        for block_hash, at in zip(hashes, touched, strict=True):
+            entries[block_hash] = at
+            move_to_end(block_hash)
+        self._sweep_at = min(self._sweep_at, min(touched) + self.ttl)
+        if len(entries) > self.capacity or now >= self._sweep_at:
+            self._trim(now)
 
     def depth(self, hashes: Sequence[int], now: float) -> int:
         """How many leading blocks of `hashes` are held (binary search over the chain)."""
+        entries = self._entries
+        oldest = now - self.ttl
         if not hashes:
             return 0
-        oldest = now - self.ttl
-        touched = self.touched
-        if touched(hashes[0]) < oldest:
+        if entries.get(hashes[0], _MISSING) < oldest:
             return 0  # the common case on a large fleet: one lookup, no search
-        if touched(hashes[-1]) >= oldest:
+        if entries.get(hashes[-1], _MISSING) >= oldest:
             return len(hashes)  # the whole prompt is held: one more lookup, no search
         low, high = 1, len(hashes) - 1
         while low < high:
             middle = (low + high + 1) // 2
-            if touched(hashes[middle - 1]) >= oldest:
+            if entries.get(hashes[middle - 1], _MISSING) >= oldest:
                 low = middle
             else:
                 high = middle - 1
         return low
 
+    def _trim(self, now: float) -> None:
+        """Drop the oldest entries while they are expired or over capacity, in C loops."""
+        entries = self._entries
+        expired = len(list(takewhile(partial(operator.gt, now - self.ttl), entries.values())))
+        drop = max(expired, len(entries) - self.capacity)
+        if drop > 0:
+            deque(map(entries.popitem, repeat(False, drop)), 0)
+            self.evictions += drop
+        self._sweep_at = next(iter(entries.values()), math.inf) + self.ttl
 
-_NOTHING_HELD = EndpointBlocks(1, 0.0)  # read (never written) for endpoints with no entries
-_YOUNG = operator.attrgetter("young")
-_OLD = operator.attrgetter("old")
+
+_ENTRIES = operator.attrgetter("_entries")
 
 
 def _held(tables: list[EndpointBlocks], block_hash: int, oldest: float) -> Iterator[bool]:
-    """Whether each endpoint holds `block_hash`, touched at `oldest` or later (C loops over
-    both generations)."""
-    young = map(dict.get, map(_YOUNG, tables), repeat(block_hash), repeat(_MISSING))
-    old = map(dict.get, map(_OLD, tables), repeat(block_hash), repeat(_MISSING))
-    return map(partial(operator.le, oldest), map(max, young, old))
+    """Whether each endpoint holds `block_hash`, touched at `oldest` or later (C loops)."""
+    touched = map(dict.get, map(_ENTRIES, tables), repeat(block_hash), repeat(_MISSING))
+    return map(partial(operator.le, oldest), touched)
 
 
 class PrefixIndex:
@@ -420,19 +365,15 @@ class PrefixIndex:
             return len(blocks) if blocks is not None else 0
         return sum(len(b) for b in self._blocks.values())
 
-    def stored(self) -> int:
-        """Entries in memory, held or retired and not freed yet (see `EndpointBlocks`)."""
-        return sum(b.stored for b in self._blocks.values())
-
     def evictions(self, endpoint: str) -> int:
         blocks = self._blocks.get(endpoint)
         return blocks.evictions if blocks is not None else 0
 
     @property
     def memory_bytes(self) -> int:
-        """Estimated memory held by the index (stored entries and listed first blocks, times
-        their measured sizes)."""
-        return self.stored() * BYTES_PER_ENTRY + self.roots * BYTES_PER_ROOT
+        """Estimated memory held by the index (entries and listed first blocks, times their
+        measured sizes)."""
+        return self.entries() * BYTES_PER_ENTRY + self.roots * BYTES_PER_ROOT
 
     @property
     def roots(self) -> int:

@@ -40,8 +40,8 @@ class SaturationConfig(_Strict):
 
 class RoutingConfig(_Strict):
     """`max_candidates`: a decision scores at most this many endpoints of a larger pool (the
-    ones holding the deepest part of the prompt, the session's, then a random sample of the
-    rest); 0 scores every endpoint."""
+    ones holding the deepest part of the prompt, the session's, then a window of the pool at a
+    random offset); 0 scores every endpoint."""
 
     scrape_interval: float = Field(1.0, gt=0)
     scrape_timeout: float = Field(0.5, gt=0)

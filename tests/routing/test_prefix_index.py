@@ -103,35 +103,31 @@ def test_the_recent_prompts_kept_are_bounded():
     assert len(hasher._recent) == 3
 
 
-def test_two_generations_bound_the_entries_and_keep_the_recent_ones():
-    blocks = EndpointBlocks(capacity=8, ttl=100)  # generations of 4
+def test_lru_is_bounded_and_evicts_deepest_blocks_first():
+    blocks = EndpointBlocks(capacity=3, ttl=100)
     blocks.record([1, 2, 3], now=0)
-    blocks.record([10, 20], now=1)  # no room in the young generation: [1, 2, 3] grows old
-    blocks.record([30], now=2)
-    assert len(blocks) == 6 and blocks.evictions == 0
-    assert blocks.depth([1, 2, 3], now=2) == 3 and blocks.depth([10, 20, 99], now=2) == 2
-    blocks.record([40, 50], now=3)  # [10, 20, 30] grow old; [1, 2, 3] go
-    assert len(blocks) == 5 and blocks.evictions == 3
-    assert 1 not in blocks and blocks.depth([1, 2, 3], now=3) == 0
-    assert blocks.depth([10, 20, 99], now=3) == 2
+    blocks.record([10, 20], now=1)
+    assert len(blocks) == 3 and blocks.evictions == 2
+    assert 10 in blocks and 20 in blocks and 1 in blocks  # 3 then 2 went first
+    assert blocks.depth([1, 2, 3], now=1) == 1
+    assert blocks.depth([10, 20, 30], now=1) == 2
 
 
-def test_retouching_brings_a_chain_back_to_the_young_generation():
-    blocks = EndpointBlocks(capacity=8, ttl=100)
+def test_retouching_moves_a_chain_behind_newer_ones():
+    blocks = EndpointBlocks(capacity=4, ttl=100)
     blocks.record([1, 2], now=0)
     blocks.record([10, 20], now=1)
-    blocks.record([30, 40], now=2)  # [1, 2] and [10, 20] grow old
-    blocks.record([1, 2], now=3)  # back to the young generation
-    blocks.record([5], now=4)  # [30, 40, 1, 2] grow old; [10, 20] go
-    assert 10 not in blocks and 20 not in blocks and blocks.evictions == 2
-    assert blocks.items() == [(30, 2), (40, 2), (1, 3), (2, 3), (5, 4)]
+    blocks.record([1, 2], now=2)  # now the most recent: [10, 20] goes first
+    blocks.record([5], now=3)
+    assert 20 not in blocks and {1, 2, 5, 10} == {h for h, _ in blocks.items()}
+    assert blocks.items()[-1] == (5, 3)
 
 
 def test_a_record_larger_than_the_capacity_keeps_its_first_blocks():
     blocks = EndpointBlocks(capacity=4, ttl=100)
-    blocks.record([7, 8], now=0)
+    blocks.record([70, 80], now=0)
     blocks.record(list(range(10)), now=1)
-    assert len(blocks) == 4 and blocks.depth(list(range(10)), now=1) == 4 and 7 not in blocks
+    assert len(blocks) == 4 and blocks.depth(list(range(10)), now=1) == 4 and 70 not in blocks
 
 
 def _chains(count: int, length: int) -> list[list[int]]:
@@ -139,18 +135,14 @@ def _chains(count: int, length: int) -> list[list[int]]:
     return [hasher.hashes(f"{i:08d}" + "x" * 8 * (length - 1), "m") for i in range(count)]
 
 
-def test_capacity_is_never_exceeded_and_every_chain_is_held_as_a_prefix():
+def test_capacity_is_never_exceeded_and_trimming_goes_deepest_first():
     blocks = EndpointBlocks(capacity=160, ttl=1000)
     chains = _chains(40, 24)
     inserted = 0
     for step, chain in enumerate(chains + chains[::3]):
         inserted += sum(h not in blocks for h in chain)
         blocks.record(chain, now=step)
-        assert len(blocks) <= blocks.capacity
-        if inserted >= blocks.capacity:  # once full, at least half of it minus one record
-            assert len(blocks) > blocks.capacity // 2 - len(chain)
-        else:
-            assert len(blocks) == inserted
+        assert len(blocks) == min(inserted, blocks.capacity)
         for other in chains:  # every chain is held as a prefix: depth stays exact
             held = [h in blocks for h in other]
             depth = held.index(False) if False in held else len(held)
@@ -168,39 +160,29 @@ def test_resize_trims_to_the_new_capacity():
     assert blocks.depth(list(range(900)), now=1) == 100
 
 
-def test_ttl_expires_entries_for_lookups_at_once_and_frees_them_with_their_generation():
+def test_ttl_expires_entries_for_lookups_at_once_and_drops_them_on_the_next_record():
     blocks = EndpointBlocks(capacity=10, ttl=16)
     blocks.record([1, 2], now=0)
     blocks.record([3], now=4)
     assert blocks.depth([1, 2], now=15) == 2
     assert blocks.depth([1, 2], now=16.5) == 0
-    assert blocks.depth([3], now=20) == 1  # exactly ttl old: still held
+    assert blocks.depth([3], now=16.5) == 1
+    assert len(blocks) == 3 and blocks.evictions == 0
     blocks.record([7], now=16.5)
-    assert len(blocks) == 4 and blocks.evictions == 0  # [1, 2] are stored but never match
-    assert blocks.depth([1, 2], now=16.5) == 0 and blocks.depth([7], now=16.5) == 1
-    blocks.record([8], now=40)  # everything else expired: both generations go
-    assert blocks.items() == [(8, 40)] and blocks.evictions == 4
+    assert blocks.items() == [(3, 4), (7, 16.5)] and blocks.evictions == 2
+    blocks.record([7], now=19)
+    assert blocks.items() == [(3, 4), (7, 19)]
+    blocks.record([8], now=20)
+    assert blocks.items() == [(3, 4), (7, 19), (8, 20)]  # exactly ttl old: still held
+    blocks.record([8], now=20.5)
+    assert blocks.items() == [(7, 19), (8, 20.5)] and blocks.evictions == 3
 
 
-def test_retired_generations_are_freed_a_few_entries_per_record():
-    blocks = EndpointBlocks(capacity=200, ttl=1000)
-    chains = _chains(60, 10)
-    most_stored = 0
-    for step, chain in enumerate(chains):
-        blocks.record(chain, now=step)
-        most_stored = max(most_stored, blocks.stored)
-    assert blocks.evictions > 100 and most_stored <= blocks.capacity + blocks.capacity // 2
-    assert blocks.stored - len(blocks) < 10  # the last retired generation is nearly gone
-
-
-def test_load_restores_generations_and_times():
-    blocks = EndpointBlocks(capacity=4, ttl=10)
-    blocks.load([3, 2, 1, 9], [1.0, 2.0, 2.0, 2.5], now=12.0)  # 3 expired
+def test_load_restores_order_and_times():
+    blocks = EndpointBlocks(capacity=3, ttl=10)
+    blocks.load([3, 2, 1, 9], [1.0, 2.0, 2.0, 2.5], now=12.0)  # 3 expired; one over capacity
     assert blocks.items() == [(2, 2.0), (1, 2.0), (9, 2.5)] and blocks.evictions == 1
     assert blocks.depth([1, 2, 3], now=12.0) == 2
-    small = EndpointBlocks(capacity=2, ttl=10)
-    small.load([3, 2, 1, 9], [1.0, 2.0, 2.0, 2.5], now=12.0)  # and one over capacity
-    assert {h for h, _ in small.items()} == {1, 9} and small.evictions == 2
 
 
 def test_index_match_record_evict_clear_and_memory():
@@ -217,7 +199,7 @@ def test_index_match_record_evict_clear_and_memory():
     index.clear("e")
     index.evict("a", [13])
     assert index.match(hashes) == {"a": 2, "b": 1}
-    assert index.entries() == index.stored() == 3 and index.roots == 1
+    assert index.entries() == 3 and index.roots == 1
     assert index.memory_bytes == 3 * BYTES_PER_ENTRY + BYTES_PER_ROOT
     index.clear("a")
     assert index.entries("a") == 0
@@ -266,10 +248,9 @@ def test_memory_stays_bounded_under_many_prompts():
         index.record("a", hashes)
         recorded += len(hashes)
         assert index.entries("a") <= 1000
-    assert index.entries("a") > 1000 // 2 - len(hashes)
+    assert index.entries("a") == 1000 and index.roots == 300
     assert index.evictions("a") == recorded - index.entries("a")  # all prompts distinct
-    assert index.entries() <= index.stored() <= 1500 and index.roots == 300
-    assert index.memory_bytes == index.stored() * BYTES_PER_ENTRY + 300 * BYTES_PER_ROOT
+    assert index.memory_bytes == 1000 * BYTES_PER_ENTRY + 300 * BYTES_PER_ROOT
 
 
 def test_prompt_text_is_prefix_preserving_across_turns():
