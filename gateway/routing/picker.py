@@ -225,7 +225,6 @@ class PolicyPicker:
                 self.policy.name, rule, profile, available, scores, columns)))
         return chosen
 
-
     def _record(self, ctx: RequestContext, chosen: Endpoint) -> None:
         prefix = ctx.prefix
         if prefix is None:
