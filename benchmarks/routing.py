@@ -309,6 +309,8 @@ def run_one(args: argparse.Namespace, workload: str, rate: float, policy: str,
         lag = json.loads(lag_file.read_text()) if lag_file.exists() else {}
     ok = [r for r in results if not r.error and r.ttft is not None]
     ttfts = [r.ttft for r in ok if r.ttft is not None]
+    if args.by_engine:
+        print_by_engine(f"{workload} {rate:g} req/s {policy}", plans, results)
     per_engine = Counter(r.endpoint for r in results)
     loads = [per_engine.get(f"sim-{i}", 0) for i in range(args.engines)]
     hits = sum(s["prefix_hit_tokens"] for s in engine_stats)
@@ -324,6 +326,23 @@ def run_one(args: argparse.Namespace, workload: str, rate: float, policy: str,
         "max_over_mean_load": max(loads) / statistics.mean(loads) if any(loads) else math.nan,
         "loads": loads, "sim_lag_p99_ms": lag.get("p99_ms", math.nan), "elapsed": elapsed,
     }
+
+
+def print_by_engine(label: str, plans: list[Planned], results: list[Result]) -> None:
+    """Per engine: requests, TTFT p50/p90 and uncached prompt tokens; then TTFT p50 by
+    arrival decile (does the queue build on one engine or on all?)."""
+    for name in sorted({r.endpoint for r in results}):
+        mine = [r for r in results if r.endpoint == name and r.ttft is not None]
+        ttfts = [r.ttft for r in mine if r.ttft is not None]
+        print(f"  {label} {name}: {len(mine)} requests, TTFT p50 {_percentile(ttfts, 0.5):.2f}"
+              f" p90 {_percentile(ttfts, 0.9):.2f} s, uncached prompt tokens "
+              f"{sum(r.prompt_tokens - r.cached_tokens for r in mine)}", flush=True)
+    arrivals = sorted((p.at, r.ttft) for p, r in zip(plans, results, strict=True)
+                      if r.ttft is not None)
+    deciles = [arrivals[k * len(arrivals) // 10:(k + 1) * len(arrivals) // 10]
+               for k in range(10)]
+    print(f"  {label} TTFT p50 by arrival decile: " + " ".join(
+        f"{_percentile([t for _, t in d], 0.5):.2f}" for d in deciles if d), flush=True)
 
 
 # --- microbenchmark ------------------------------------------------------------------------
@@ -552,6 +571,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-micro", action="store_true", help="skip the decision-cost microbenchmark")
     p.add_argument("--out", type=Path, default=BENCH_DIR / "routing")
     p.add_argument("--no-results", action="store_true", help="do not append to RESULTS.md")
+    p.add_argument("--by-engine", action="store_true",
+                   help="print each run's per-engine TTFT and uncached work")
     p.add_argument("--serve-sim", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--lag-file", default="", help=argparse.SUPPRESS)
     return p.parse_args()
