@@ -254,9 +254,9 @@ class PrefixIndex:
     That map lets `match` look only at the endpoints that may hold a prompt's first block
     instead of at every endpoint: for a prompt nobody holds, one lookup. It is a superset of
     the holders (an endpoint that evicted the block stays listed until `match` sees that) and
-    keeps the last `max_roots` first blocks. When one is dropped while possibly still held,
-    or entries arrive from a snapshot (whose chains are not known), the map is incomplete until
-    those entries expire (`ttl`), and `match` looks at every endpoint meanwhile.
+    keeps the last `max_roots` first blocks. When one is dropped while an endpoint still holds
+    it, or entries arrive from a snapshot (whose chains are not known), the map is incomplete
+    until those entries expire (`ttl`), and `match` looks at every endpoint meanwhile.
     """
 
     def __init__(self, default_capacity: int = 31_250, ttl: float = 600.0,
@@ -327,8 +327,9 @@ class PrefixIndex:
         if listed is None:
             listed = roots[hashes[0]] = {}
             if len(roots) > self.max_roots:
-                roots.popitem(last=False)
-                self._incomplete_until = now + self.ttl
+                dropped, holders = roots.popitem(last=False)
+                if any(dropped in blocks for blocks in holders.values()):
+                    self._incomplete_until = now + self.ttl  # still held, no longer listed
         else:
             roots.move_to_end(hashes[0])
         listed[endpoint] = blocks

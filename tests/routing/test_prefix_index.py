@@ -217,6 +217,16 @@ def test_match_finds_holders_whose_first_block_is_no_longer_listed():
     assert index.match([1, 2], now=62.5) == {}  # expired, as is the listing gap
 
 
+def test_dropping_the_listing_of_a_prompt_nobody_holds_keeps_the_listing_complete():
+    index = PrefixIndex(default_capacity=2, ttl=60, max_roots=2)
+    index.record("a", [1, 2], now=0)
+    index.record("a", [5, 6], now=1)  # [1, 2] evicted from a
+    index.record("b", [7], now=2)  # [1, 2]'s listing goes, and nobody holds it
+    assert index._incomplete_until < 0
+    index.record("b", [8], now=3)  # [5, 6]'s listing goes while a still holds it
+    assert index._incomplete_until == 63 and index.match([5, 6], now=4) == {"a": 2}
+
+
 def test_an_endpoint_that_evicted_a_prompt_is_no_longer_asked():
     index = PrefixIndex(default_capacity=100, ttl=60)
     index.record("a", [1, 2], now=0)
