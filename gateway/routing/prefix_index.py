@@ -328,7 +328,7 @@ class PrefixIndex:
             listed = roots[hashes[0]] = {}
             if len(roots) > self.max_roots:
                 dropped, holders = roots.popitem(last=False)
-                if any(dropped in blocks for blocks in holders.values()):
+                if any(dropped in holder for holder in holders.values()):
                     self._incomplete_until = now + self.ttl  # still held, no longer listed
         else:
             roots.move_to_end(hashes[0])
