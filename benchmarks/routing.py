@@ -432,19 +432,23 @@ def micro() -> dict[str, Any]:
     tracemalloc.start()
     blocks = EndpointBlocks(capacity=200_000, ttl=600)
     before = tracemalloc.get_traced_memory()[0]
-    for start in range(0, 100_000, 256):  # records of 256 blocks, each at its own time
-        blocks.record([rng.getrandbits(64) for _ in range(256)], now=float(start))
+    for at in range(0, 100_000, 256):  # records of 256 blocks, each at its own time
+        blocks.record([rng.getrandbits(64) for _ in range(256)], now=float(at))
     after = tracemalloc.get_traced_memory()[0]
-    roots = PrefixIndex()
-    chains = [[rng.getrandbits(64)] for _ in range(10_000)]
-    middle = tracemalloc.get_traced_memory()[0]
-    for i, chain in enumerate(chains):
-        roots.record(f"e{i % 64}", chain, now=1.0)
-    end = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
+    chains = [[rng.getrandbits(64)] for _ in range(10_000)]
+    listing = []
+    for max_roots in (0, len(chains)):  # without and with each first block listed
+        tracemalloc.start()
+        empty = tracemalloc.get_traced_memory()[0]
+        roots = PrefixIndex(max_roots=max_roots)
+        for i, chain in enumerate(chains):
+            roots.record(f"e{i % 64}", chain, now=1.0)
+        listing.append(tracemalloc.get_traced_memory()[0] - empty)
+        tracemalloc.stop()
+        del roots
     out["index_bytes_per_entry"] = (after - before) / len(blocks)
-    out["index_bytes_per_root"] = (end - middle - roots.entries() * out["index_bytes_per_entry"]
-                                   ) / len(chains)
+    out["index_bytes_per_root"] = (listing[1] - listing[0]) / len(chains)
     return out
 
 

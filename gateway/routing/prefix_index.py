@@ -60,7 +60,7 @@ from itertools import compress, repeat, takewhile
 # and link and its int key (140-210 B with the table's fill; the float is shared by a record);
 # a listed first block is an ordered-map node, its key and the small dict of its endpoints.
 BYTES_PER_ENTRY = 200
-BYTES_PER_ROOT = 250
+BYTES_PER_ROOT = 310
 
 _DEPTH = 1 << 32
 _MISSING = -math.inf  # "touched" time of a hash an endpoint does not hold: older than any TTL
