@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime
+import gc
 import json
 import math
 import os
@@ -384,9 +385,12 @@ def micro() -> dict[str, Any]:
                               configured_models=frozenset({MODEL})) for i in range(64)]
         fleet = Fleet([Pool("p", "vllm", "kvgate", endpoints)])
         services = RoutingServices.from_config(RoutingConfig())
+        services.index.add_endpoints(e.name for e in endpoints)
         picker = PolicyPicker(fleet, "p", builtin_policy("kvgate"), services)
         systems = [words(rng, 6_000) for _ in range(32)]
         tails = [words(rng, 2000) for _ in range(50)]
+        gc.collect()
+        gc.freeze()  # as the gateway does at startup
 
         def scrape() -> None:  # fresh telemetry and in-flight work on every endpoint
             now = time.monotonic()
@@ -419,6 +423,7 @@ def micro() -> dict[str, Any]:
         while warming(len(warmup)):
             warmup.append(timed(len(warmup)))
         samples = [timed(len(warmup) + i) for i in range(3000)]
+        gc.unfreeze()
         return ({"p50": _percentile(samples, 0.5), "p99": _percentile(samples, 0.99)},
                 {"p50": _percentile(warmup, 0.5), "p99": _percentile(warmup, 0.99)},
                 services.index)
@@ -426,7 +431,18 @@ def micro() -> dict[str, Any]:
     out["decision_8k_tokens_64_endpoints_us"], _, index = decisions(shared=True)
     (out["decision_8k_tokens_64_endpoints_new_prompts_us"],
      out["decision_8k_tokens_64_endpoints_new_prompts_while_the_index_fills_us"],
-     _) = decisions(shared=False)
+     full) = decisions(shared=False)
+    # A full garbage collection with that full index (64 x 31,250 entries): its ordered dicts
+    # walked entry by entry, and frozen out of reach as the gateway does at startup.
+    gc.collect()
+    for label in ("full_gc_ms_full_index", "full_gc_ms_full_index_frozen"):
+        if label.endswith("frozen"):
+            gc.freeze()
+        t = time.perf_counter()
+        gc.collect()
+        out[label] = (time.perf_counter() - t) * 1e3
+    gc.unfreeze()
+    del full
     out["index_entries_total_after_warmup"] = index.entries()
     out["index_memory_bytes_reported"] = index.memory_bytes
     tracemalloc.start()
@@ -631,7 +647,9 @@ def main() -> int:
             f"{k} p50 {v['p50']:.0f} / p99 {v['p99']:.0f}" for k, v in micro_out.items()
             if isinstance(v, dict))
             + f"; prefix index ≈ {micro_out['index_bytes_per_entry']:.0f} B per entry, "
-            f"{micro_out['index_bytes_per_root']:.0f} B per listed first block.", ""]
+            f"{micro_out['index_bytes_per_root']:.0f} B per listed first block; a full garbage "
+            f"collection with a full index {micro_out['full_gc_ms_full_index']:.0f} ms, "
+            f"{micro_out['full_gc_ms_full_index_frozen']:.1f} ms with it frozen.", ""]
     if rows:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         png = args.out.with_suffix(".png")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import logging
 import os
 import time
@@ -59,6 +60,7 @@ class GatewayApp:
         self.routing = RoutingServices.from_config(
             config.routing, functools.partial(SharedPrefixIndex, self.store)
             if config.state.backend == "redis" else PrefixIndex)
+        self.routing.index.add_endpoints(e.name for e in self.fleet.endpoints)
         self.picker = build_router(config, self.fleet, self.routing)
         self.metrics = GatewayMetrics(self.fleet)
         self.metrics.registry.register(RoutingCollector(self.fleet, self.routing))
@@ -118,8 +120,13 @@ class GatewayApp:
         self.telemetry.start()
         self.store.report_load(self._local_load, self._apply_peer_load)
         await self.store.start()
+        # What exists now lives as long as the gateway: keep the collector from walking it on
+        # every full collection (the prefix index alone can hold millions of entries).
+        gc.collect()
+        gc.freeze()
 
     async def shutdown(self) -> None:
+        gc.unfreeze()
         await self.admission.stop()
         await self.store.stop()
         await self.telemetry.stop()

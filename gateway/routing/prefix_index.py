@@ -269,6 +269,14 @@ class PrefixIndex:
         self._roots: OrderedDict[int, dict[str, EndpointBlocks]] = OrderedDict()
         self._incomplete_until = -math.inf  # until then an endpoint may hold an unlisted root
 
+    def add_endpoints(self, endpoints: Iterable[str]) -> None:
+        """Make the endpoints' tables now (at startup), so that they are among the objects the
+        gateway freezes out of the garbage collector's reach (`GatewayApp.startup`): a full
+        collection walks every entry of a tracked ordered dict (≈ 50 ms for a full index of
+        64 endpoints), and their entries are ints and floats, which never form cycles."""
+        for endpoint in endpoints:
+            self._for(endpoint)
+
     def _for(self, endpoint: str) -> EndpointBlocks:
         blocks = self._blocks.get(endpoint)
         if blocks is None:

@@ -3,6 +3,7 @@ it saturates, then spills; an endpoint whose /metrics stops answering follows th
 
 from __future__ import annotations
 
+import gc
 import re
 import time
 from typing import Any
@@ -126,3 +127,13 @@ def test_endpoint_whose_metrics_stop_answering_follows_the_stale_policy(start_ga
         engines[home_index].metrics_up = True
         _wait(lambda: not endpoint.stale)
         assert endpoint.routable
+
+
+def test_the_prefix_index_tables_are_out_of_the_garbage_collectors_reach(gateway):
+    """A full collection walks every entry of a tracked ordered dict; the index's tables are
+    made at startup and frozen with the other startup objects, so none is walked."""
+    app, _ = gateway
+    tables = [blocks._entries for blocks in app.routing.index._blocks.values()]
+    assert len(tables) == len(app.fleet.endpoints)
+    walked = {id(o) for generation in range(3) for o in gc.get_objects(generation=generation)}
+    assert not any(id(table) in walked for table in tables)
