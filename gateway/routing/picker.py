@@ -91,10 +91,10 @@ class RoutingServices:
     def shortlist(self, ctx: RequestContext, endpoints: list[Endpoint]) -> list[Endpoint]:
         """At most `max_candidates` of a larger pool, so that a decision's cost does not grow
         with the pool: the endpoints holding the deepest part of the prompt (up to three
-        quarters of the places, ties in random order), the session's endpoint, then the rest
-        from a window of the pool at a random offset, so every endpoint is as likely to be
-        considered (the power of d choices: the best of a random 16 is nearly always as lightly
-        loaded as the best of all)."""
+        quarters of the places, ties from a random starting point), the session's endpoint, then
+        the rest from a window of the pool at a random offset, so every endpoint is as likely
+        to be considered (the power of d choices: the best of a random 16 is nearly always as
+        lightly loaded as the best of all)."""
         limit = self.max_candidates
         if not limit or len(endpoints) <= limit:
             return endpoints
@@ -103,11 +103,13 @@ class RoutingServices:
         keep: list[Endpoint] = []
         if prefix is not None:
             depth = prefix.matched.get
-            keep = [e for e in endpoints if depth(e.name, 0)]
+            if prefix.matched:
+                keep = [e for e in endpoints if depth(e.name, 0)]
             places = limit - limit // 4
             if len(keep) > places:
-                rng.shuffle(keep)
-                keep.sort(key=lambda e: depth(e.name, 0), reverse=True)
+                turn = rng.randrange(len(keep))
+                keep = keep[turn:] + keep[:turn]
+                keep.sort(key=lambda e: depth(e.name, 0), reverse=True)  # stable: ties rotate
                 del keep[places:]
             if prefix.affinity is not None and all(e.name != prefix.affinity for e in keep):
                 keep += [e for e in endpoints if e.name == prefix.affinity][:1]

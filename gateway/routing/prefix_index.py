@@ -314,13 +314,11 @@ class PrefixIndex:
         depth = tables[0].depth(hashes, now)
         depths = dict.fromkeys(holders, depth)
         others = tables[1:]
-        deeper = (_held(others, hashes[depth], oldest) if depth < len(hashes)
-                  else repeat(False, len(others)))
-        for name, blocks, same, more in zip(holders[1:], others,
-                                            _held(others, hashes[depth - 1], oldest), deeper,
-                                            strict=True):
-            if not same or more:
-                depths[name] = blocks.depth(hashes, now)
+        differ = map(operator.not_, _held(others, hashes[depth - 1], oldest))
+        if depth < len(hashes):
+            differ = map(operator.or_, differ, _held(others, hashes[depth], oldest))
+        for name, blocks in compress(zip(holders[1:], others, strict=True), differ):
+            depths[name] = blocks.depth(hashes, now)
         return depths
 
     def record(self, endpoint: str, hashes: Sequence[int], now: float | None = None) -> None:
