@@ -241,7 +241,7 @@ def test_a_large_pool_scores_a_shortlist_that_keeps_prefix_holders_and_the_sessi
     scored = _scored(request)  # the saturated holder was shortlisted, then filtered out
     assert len(scored) == 7 and holder.name not in scored
     sampled = set()
-    for i in range(40):  # cold prompts: a fresh random sample each time
+    for i in range(40):  # cold prompts: a window at a fresh random offset each time
         request = ctx(f"cold prompt number {i} " * 8, headers=explain)
         picker.choose(request)
         scored = _scored(request)

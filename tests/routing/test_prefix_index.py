@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import random
 import time
 import zlib
 
@@ -74,8 +75,6 @@ def test_multibyte_text_is_cut_in_bytes_and_capped():
 
 
 def test_reusing_recent_prompts_gives_the_same_hashes_as_hashing_from_scratch():
-    import random
-
     rng = random.Random(7)
     systems = ["".join(rng.choice("abcü ") for _ in range(rng.randrange(40, 200)))
                for _ in range(4)]
