@@ -27,10 +27,6 @@ class PrefixMatch:
             return 0.0
         return self.matched.get(endpoint, 0) / len(self.hashes)
 
-    def cached_tokens(self, endpoint: str) -> int:
-        return min(self.prompt_tokens,
-                   int(self.matched.get(endpoint, 0) * self.tokens_per_block))
-
     def uncached_by_endpoint(self, endpoints: list[str]) -> list[int]:
         """`uncached_tokens` of each endpoint, in one pass (the scorers' hot path)."""
         prompt, per_block, matched = self.prompt_tokens, self.tokens_per_block, self.matched.get
@@ -38,5 +34,5 @@ class PrefixMatch:
         return [u if u > 0 else 0 for u in out]
 
     def uncached_tokens(self, endpoint: str) -> int:
-        """`prompt_tokens - cached_tokens(endpoint)`."""
+        """Prompt tokens `endpoint` probably does not hold."""
         return self.uncached_by_endpoint([endpoint])[0]

@@ -19,6 +19,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from gateway.routing.filters import NotSaturated
 from gateway.routing.plugins import FILTERS, PICKERS, PREFIX_SCORERS, SCORERS
 from gateway.types import RequestContext
 
@@ -115,8 +116,8 @@ class RoutingProfile:
     uses_prefix: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.saturation_filters = [f for f in self.filters if f.NAME == "not_saturated"]
-        self.plain_filters = [f for f in self.filters if f.NAME != "not_saturated"]
+        self.saturation_filters = [f for f in self.filters if isinstance(f, NotSaturated)]
+        self.plain_filters = [f for f in self.filters if not isinstance(f, NotSaturated)]
         self.uses_prefix = any(s.NAME in PREFIX_SCORERS for s, _ in self.scorers)
 
 
