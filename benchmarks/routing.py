@@ -428,29 +428,51 @@ def micro() -> dict[str, Any]:
                 {"p50": _percentile(warmup, 0.5), "p99": _percentile(warmup, 0.99)},
                 services.index)
 
-    out["decision_8k_tokens_64_endpoints_us"], _, index = decisions(shared=True)
-    (out["decision_8k_tokens_64_endpoints_new_prompts_us"],
-     out["decision_8k_tokens_64_endpoints_new_prompts_while_the_index_fills_us"],
-     full) = decisions(shared=False)
-    # A full garbage collection with that full index (64 x 31,250 entries): its ordered dicts
-    # walked entry by entry, and frozen out of reach as the gateway does at startup.
-    gc.collect()
-    for label in ("full_gc_ms_full_index", "full_gc_ms_full_index_frozen"):
-        if label.endswith("frozen"):
-            gc.freeze()
+    def collection_ms() -> float:
+        gc.collect()
         t = time.perf_counter()
         gc.collect()
-        out[label] = (time.perf_counter() - t) * 1e3
-    gc.unfreeze()
-    del full
+        return (time.perf_counter() - t) * 1e3
+
+    def index_walk(name: str, index: PrefixIndex) -> None:
+        """What an index adds to a full garbage collection: walked by the collector, and
+        frozen out of its reach as the gateway does at startup (the whole process then)."""
+        alive = collection_ms()
+        gc.freeze()
+        out[f"full_gc_ms_{name}_frozen"] = collection_ms()
+        gc.unfreeze()
+        for i in range(64):
+            index.clear(f"e{i}")
+        out[f"full_gc_ms_{name}_index"] = alive - collection_ms()
+
+    out["decision_8k_tokens_64_endpoints_us"], _, index = decisions(shared=True)
     out["index_entries_total_after_warmup"] = index.entries()
     out["index_memory_bytes_reported"] = index.memory_bytes
+    index_walk("shared_prompts", index)
+    (out["decision_8k_tokens_64_endpoints_new_prompts_us"],
+     out["decision_8k_tokens_64_endpoints_new_prompts_while_the_index_fills_us"],
+     index) = decisions(shared=False)
+    out["index_entries_total_new_prompts"] = index.entries()
+    out["index_memory_bytes_reported_new_prompts"] = index.memory_bytes
+    index_walk("new_prompts", index)
+    del index
+    # Bytes per single-block entry (a snapshot's blocks, loaded one by one), per leaf and per
+    # block in a leaf (prompts nobody shares, recorded whole).
     tracemalloc.start()
     blocks = EndpointBlocks(capacity=200_000, ttl=600)
     before = tracemalloc.get_traced_memory()[0]
-    for at in range(0, 100_000, 256):  # records of 256 blocks, each at its own time
-        blocks.record([rng.getrandbits(64) for _ in range(256)], now=float(at))
+    singles = [rng.getrandbits(64) for _ in range(100_000)]
+    blocks.load(singles, [float(at) for at in range(len(singles))], now=0.0)
+    del singles
     after = tracemalloc.get_traced_memory()[0]
+    out["index_bytes_per_entry"] = (after - before) / len(blocks)
+    for length in (16, 256):
+        leaves = EndpointBlocks(capacity=200_000, ttl=600)
+        before = tracemalloc.get_traced_memory()[0]
+        for at in range(100_000 // length):
+            leaves.record([rng.getrandbits(64) for _ in range(length)], now=float(at))
+        after = tracemalloc.get_traced_memory()[0]
+        out[f"index_bytes_per_{length}_block_leaf"] = (after - before) / leaves.sizes()[1]
     tracemalloc.stop()
     chains = [[rng.getrandbits(64)] for _ in range(10_000)]
     listing = []
@@ -463,7 +485,6 @@ def micro() -> dict[str, Any]:
         listing.append(tracemalloc.get_traced_memory()[0] - empty)
         tracemalloc.stop()
         del roots
-    out["index_bytes_per_entry"] = (after - before) / len(blocks)
     out["index_bytes_per_root"] = (listing[1] - listing[0]) / len(chains)
     return out
 
@@ -646,10 +667,16 @@ def main() -> int:
         section += ["Decision cost (µs): " + ", ".join(
             f"{k} p50 {v['p50']:.0f} / p99 {v['p99']:.0f}" for k, v in micro_out.items()
             if isinstance(v, dict))
-            + f"; prefix index ≈ {micro_out['index_bytes_per_entry']:.0f} B per entry, "
+            + f"; prefix index ≈ {micro_out['index_bytes_per_entry']:.0f} B per single-block "
+            f"entry, {micro_out['index_bytes_per_16_block_leaf']:.0f} B per 16-block leaf, "
+            f"{micro_out['index_bytes_per_256_block_leaf']:.0f} B per 256-block leaf, "
             f"{micro_out['index_bytes_per_root']:.0f} B per listed first block; a full garbage "
-            f"collection with a full index {micro_out['full_gc_ms_full_index']:.0f} ms, "
-            f"{micro_out['full_gc_ms_full_index_frozen']:.1f} ms with it frozen.", ""]
+            "collection walks the index the shared / new prompts left in "
+            f"{micro_out['full_gc_ms_shared_prompts_index']:.0f} / "
+            f"{micro_out['full_gc_ms_new_prompts_index']:.0f} ms, "
+            f"{micro_out['full_gc_ms_shared_prompts_frozen']:.1f} / "
+            f"{micro_out['full_gc_ms_new_prompts_frozen']:.1f} ms for the whole process "
+            "frozen.", ""]
     if rows:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         png = args.out.with_suffix(".png")

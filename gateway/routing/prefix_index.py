@@ -24,20 +24,23 @@ answer changes. The blocks are cut by `struct` and hashed in one comprehension, 
 per-block slicing or function calls of our own.
 
 Per endpoint the index keeps an LRU of block hashes (an `OrderedDict`, least recently touched
-first) with the time each was last touched, bounded by a capacity, with a TTL. A request's
+first) with the time each was last touched, bounded by a capacity in blocks, with a TTL, shaped
+as a prefix tree (`EndpointBlocks`): blocks that two recorded chains share are entries of their
+own, and the rest of a chain is one entry, a leaf holding its hashes in an array. A request's
 blocks are touched last-block-first, so a prefix's first blocks are the most recently used and
 the deepest ones are evicted first, as engines free them; that keeps "holds block k" implying
-"holds every block before k", which lets `match` binary-search the depth. Touching a block is
-two C calls (set its time, move it to the end); with 64 endpoints holding thousands of blocks
-each this is bound by memory access, and the alternatives measured worse: bulk C passes over the
-hashes touch each entry's memory twice, and a plain dict reordered by pop and re-insert was a
-fifth faster at the median but three times slower at p99 (its removed slots make the dict
-rebuild itself every few dozen records), and two generations of plain dicts (one C-level
-update per record, a third of the cost) held between half and all of the capacity, so the
-index forgot prefixes the engines still held and hit rates fell by a tenth in
-`benchmarks/routing.py`. Trimming drops expired and over-capacity entries from the front in one
-C loop. For each recorded chain's first block the index lists the endpoints it went to, so
-`match` asks only those (see `PrefixIndex`).
+"holds every block before k", which lets `match` binary-search the depth among the entries and
+then compare the chain in a leaf (element k of two chains is equal only if every element
+before it is). Why leaves: an entry per block costs one touch and later one eviction per
+block, and with 64 endpoints holding 31,250 blocks each nearly every touch misses the CPU's
+caches — about 150 µs for a 256-block prompt nobody shares, whatever the structure (an
+`OrderedDict`, a plain dict reordered by pop and re-insert, a dict with a queue of records all
+measured 100 to 150 µs); a leaf is one entry for the whole prompt. Only blocks that turn out to be
+shared are ever touched one by one. Leaves also hold 8 bytes a block instead of ≈ 200 and give
+the garbage collector nothing to walk. Generations of plain dicts, measured before, forgot
+prefixes the engines still held (hit rates fell by a tenth in `benchmarks/routing.py`). For
+each recorded chain's first block the index lists the endpoints it went to, so `match` asks
+only those (see `PrefixIndex`).
 
 The update API is a stream of small events — `record(endpoint, hashes)`, `evict(endpoint,
 hashes)`, `clear(endpoint)` — so that replicas can later share the index as deltas.
@@ -51,15 +54,19 @@ import operator
 import struct
 import time
 import zlib
-from collections import OrderedDict, deque
+from array import array
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from functools import partial
-from itertools import compress, repeat, takewhile
+from itertools import compress, repeat
 
-# Measured with tracemalloc (benchmarks/routing.py --micro): an entry is an ordered-dict slot
-# and link and its int key (140-210 B with the table's fill; the float is shared by a record);
+# Measured with tracemalloc (benchmarks/routing.py --micro): a single-block entry is an
+# ordered-dict slot and link and its int key (140-210 B with the table's fill; the float is
+# shared by a record); a leaf adds its float object and array header to that, and 8 B a block;
 # a listed first block is an ordered-map node, its key and the small dict of its endpoints.
 BYTES_PER_ENTRY = 200
+BYTES_PER_LEAF = 330
+BYTES_PER_LEAF_BLOCK = 8
 BYTES_PER_ROOT = 310
 
 _DEPTH = 1 << 32
@@ -146,78 +153,193 @@ def _shared_blocks(data: bytes, other: bytes, size: int) -> int:
     return low
 
 
+class _Leaf(float):
+    """The blocks of one chain from its first unshared block on, as one entry: the time they
+    were last touched (the float value, so the entry compares like any other) and their hashes
+    in an array (`hashes[0]` is the entry's key): 8 bytes a block, and nothing for the garbage
+    collector to walk."""
+
+    __slots__ = ("hashes",)
+    hashes: array[int]
+
+    def __new__(cls, touched: float, hashes: array[int]) -> _Leaf:
+        leaf = super().__new__(cls, touched)
+        leaf.hashes = hashes
+        return leaf
+
+
+_is_leaf = partial(operator.is_, _Leaf)
+
+
 class EndpointBlocks:
     """Block hashes one endpoint probably holds, least recently touched first, with the time
-    each was last touched: at most `capacity` of them, and those untouched for `ttl` never
-    match (they are dropped on the next `record` after they expire)."""
+    each was last touched: at most `capacity` blocks, and those untouched for `ttl` never
+    match (they are dropped on the next `record` after they expire).
 
-    __slots__ = ("_entries", "_sweep_at", "capacity", "evictions", "ttl")
+    A prefix tree in an `OrderedDict`: a block that two recorded chains share is an entry of
+    its own (an inner node), and the rest of a chain, from its first block nobody else has, is
+    one entry, a `_Leaf`, keyed by that block. A prompt nobody shares costs one entry, not one
+    per block; a leaf splits when a later chain leaves it part-way (its shared blocks become
+    single entries) and grows when a chain goes on from its end (the next turn of a
+    conversation). A block inside a leaf is never a key of its own."""
+
+    __slots__ = ("_entries", "_in_leaves", "_leaves", "_sweep_at", "capacity", "evictions",
+                 "ttl")
 
     def __init__(self, capacity: int, ttl: float) -> None:
         self.capacity = max(1, capacity)
         self.ttl = ttl
         self.evictions = 0
-        self._entries: OrderedDict[int, float] = OrderedDict()
+        self._entries: OrderedDict[int, float] = OrderedDict()  # or a _Leaf for several blocks
+        self._leaves = 0
+        self._in_leaves = 0  # blocks in leaves, their keys included
         self._sweep_at = math.inf  # no entry expires before this time
 
     def __len__(self) -> int:
-        return len(self._entries)
+        """Blocks held (what the capacity bounds)."""
+        return len(self._entries) - self._leaves + self._in_leaves
 
-    def __contains__(self, block_hash: int) -> bool:
+    def holds_start(self, block_hash: int) -> bool:
+        """Whether a chain starting with this block is held (a chain's first block is always
+        an entry of its own)."""
         return block_hash in self._entries
 
+    def sizes(self) -> tuple[int, int, int]:
+        """(single-block entries, leaves, blocks in leaves)."""
+        return len(self._entries) - self._leaves, self._leaves, self._in_leaves
+
     def record(self, hashes: Sequence[int], now: float) -> None:
-        """Touch `hashes` (deepest first, so the first blocks end most recent) and trim."""
+        """`hashes` were all touched now: the blocks this endpoint held already are touched
+        (deepest first, so the first blocks end most recent), the rest becomes a leaf, older
+        than the blocks before it; then trim."""
         entries = self._entries
+        held = self._keys_held(hashes, now)
+        inner = held  # hashes[:inner] become (or stay) single entries
+        tail: Sequence[int] = hashes[held:]  # becomes a leaf
+        if held:
+            leaf = entries[hashes[held - 1]]
+            if type(leaf) is _Leaf:
+                start = held - 1
+                self._drop(hashes[start])
+                shared = _common_prefix(leaf.hashes, hashes, start)
+                if shared == len(leaf.hashes) or start + shared == len(hashes):
+                    # One goes on like the other: one leaf, the longer.
+                    inner = start
+                    tail = (leaf.hashes if len(leaf.hashes) > len(hashes) - start
+                            else hashes[start:])
+                else:  # they part inside the leaf: its shared blocks become single entries
+                    self._add_leaf(leaf.hashes[shared:], float(leaf))  # keeps its time
+                    inner = start + shared
+                    tail = hashes[inner:]
+                    for block_hash in hashes[start + 1:inner]:
+                        self._drop(block_hash)  # a stale key (after `evict`), if any
+        if tail:
+            self._add_leaf(tail, now)
         move_to_end = entries.move_to_end
-        for block_hash in reversed(hashes):
+        for block_hash in reversed(hashes[:inner]):
             entries[block_hash] = now
             move_to_end(block_hash)
         if now + self.ttl < self._sweep_at:
             self._sweep_at = now + self.ttl
-        if len(entries) > self.capacity or now >= self._sweep_at:
+        if len(self) > self.capacity or now >= self._sweep_at:
             self._trim(now)
 
+    def _add_leaf(self, hashes: Sequence[int], touched: float) -> None:
+        chain = hashes if type(hashes) is array else array("Q", hashes)
+        self._drop(chain[0])
+        self._entries[chain[0]] = _Leaf(touched, chain)
+        self._leaves += 1
+        self._in_leaves += len(chain)
+
+    def _drop(self, key: int) -> None:
+        """Remove the entry `key`, if any (a stale one where a new one goes)."""
+        value = self._entries.pop(key, None)
+        if type(value) is _Leaf:
+            self._leaves -= 1
+            self._in_leaves -= len(value.hashes)
+
     def evict(self, hashes: Iterable[int]) -> None:
-        deque(map(self._entries.pop, hashes, repeat(None)), 0)
+        """These blocks are no longer held. One inside a leaf cuts the leaf there (the blocks
+        after it in that chain can no longer match); those are found by looking through the
+        leaves, one pass."""
+        inside = set()
+        for block_hash in hashes:
+            if block_hash in self._entries:
+                self._drop(block_hash)
+            else:
+                inside.add(block_hash)
+        if not inside:
+            return
+        for key, value in list(self._entries.items()):
+            if type(value) is _Leaf and not inside.isdisjoint(value.hashes):
+                cut = next(i for i, h in enumerate(value.hashes) if h in inside)
+                self._in_leaves -= len(value.hashes) - cut
+                self._entries[key] = _Leaf(value, value.hashes[:cut])
 
     def clear(self) -> None:
         self._entries.clear()
+        self._leaves = self._in_leaves = 0
         self._sweep_at = math.inf
 
     def resize(self, capacity: int, now: float) -> None:
         self.capacity = max(1, capacity)
-        if len(self._entries) > self.capacity:
+        if len(self) > self.capacity:
             self._trim(now)
 
     def items(self) -> list[tuple[int, float]]:
-        """(hash, last touched) pairs, least recently touched first."""
-        return list(self._entries.items())
+        """(hash, last touched) pairs, least recently touched first (a leaf's deepest first)."""
+        out: list[tuple[int, float]] = []
+        for key, touched in self._entries.items():
+            if type(touched) is _Leaf:
+                out += zip(reversed(touched.hashes), repeat(float(touched)))
+            else:
+                out.append((key, touched))
+        return out
 
     def load(self, hashes: Sequence[int], touched: Sequence[float], now: float) -> None:
         """Touch `hashes`, oldest first, each at its own time in `touched` (a snapshot's
-        `items()`, restored); then trim like `record`."""
+        `items()`, restored), as single entries: a snapshot has no chains. The leaves held
+        already become single entries first, so that no loaded block lands inside one."""
         if not hashes:
             return
         entries = self._entries
+        if self._leaves:
+            singles = self.items()
+            entries.clear()
+            entries.update(singles)
+            self._leaves = self._in_leaves = 0
         move_to_end = entries.move_to_end
         for block_hash, at in zip(hashes, touched, strict=True):
             entries[block_hash] = at
             move_to_end(block_hash)
         self._sweep_at = min(self._sweep_at, min(touched) + self.ttl)
-        if len(entries) > self.capacity or now >= self._sweep_at:
+        if len(self) > self.capacity or now >= self._sweep_at:
             self._trim(now)
 
     def depth(self, hashes: Sequence[int], now: float) -> int:
-        """How many leading blocks of `hashes` are held (binary search over the chain)."""
+        """How many leading blocks of `hashes` are held."""
+        held = self._keys_held(hashes, now)
+        if not held:
+            return 0
+        leaf = self._entries[hashes[held - 1]]
+        if type(leaf) is not _Leaf:
+            return held
+        return held - 1 + _common_prefix(leaf.hashes, hashes, held - 1)
+
+    def _keys_held(self, hashes: Sequence[int], now: float) -> int:
+        """How many leading blocks of `hashes` are keys touched within the TTL (a binary
+        search: the keys along a chain are a prefix of it, and a leaf's key is the last)."""
         entries = self._entries
         oldest = now - self.ttl
         if not hashes:
             return 0
-        if entries.get(hashes[0], _MISSING) < oldest:
+        start = entries.get(hashes[0], _MISSING)
+        if start < oldest:
             return 0  # the common case on a large fleet: one lookup, no search
+        if type(start) is _Leaf or len(hashes) == 1:
+            return 1
         if entries.get(hashes[-1], _MISSING) >= oldest:
-            return len(hashes)  # the whole prompt is held: one more lookup, no search
+            return len(hashes)  # every block is a key: one more lookup, no search
         low, high = 1, len(hashes) - 1
         while low < high:
             middle = (low + high + 1) // 2
@@ -228,14 +350,51 @@ class EndpointBlocks:
         return low
 
     def _trim(self, now: float) -> None:
-        """Drop the oldest entries while they are expired or over capacity, in C loops."""
+        """Drop the oldest entries while they are expired or over capacity; a leaf over
+        capacity by fewer blocks than it has loses its deepest ones and keeps its place."""
         entries = self._entries
-        expired = len(list(takewhile(partial(operator.gt, now - self.ttl), entries.values())))
-        drop = max(expired, len(entries) - self.capacity)
-        if drop > 0:
-            deque(map(entries.popitem, repeat(False, drop)), 0)
-            self.evictions += drop
+        oldest = now - self.ttl
+        over = len(self) - self.capacity
+        while entries:
+            key, touched = entries.popitem(last=False)
+            expired = touched < oldest
+            if not expired and over <= 0:
+                entries[key] = touched
+                entries.move_to_end(key, last=False)
+                break
+            if type(touched) is not _Leaf:
+                self.evictions += 1
+                over -= 1
+                continue
+            weight = len(touched.hashes)
+            if not expired and weight > over:
+                self._in_leaves -= over
+                self.evictions += over
+                entries[key] = _Leaf(touched, touched.hashes[: weight - over])
+                entries.move_to_end(key, last=False)
+                break
+            self._leaves -= 1
+            self._in_leaves -= weight
+            self.evictions += weight
+            over -= weight
         self._sweep_at = next(iter(entries.values()), math.inf) + self.ttl
+
+
+def _common_prefix(chain: list[int], hashes: Sequence[int], start: int) -> int:
+    """How many leading elements of `chain` equal `hashes[start:]`. Both are chains of
+    hashes, each naming the whole prefix up to its block, so equal elements at k mean equal
+    elements before k: a binary search over single elements."""
+    size = min(len(chain), len(hashes) - start)
+    if chain[size - 1] == hashes[start + size - 1]:
+        return size
+    low, high = 0, size - 1  # the answer lies in low .. high
+    while low < high:
+        middle = (low + high + 1) // 2
+        if chain[middle - 1] == hashes[start + middle - 1]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 _ENTRIES = operator.attrgetter("_entries")
@@ -272,8 +431,9 @@ class PrefixIndex:
     def add_endpoints(self, endpoints: Iterable[str]) -> None:
         """Make the endpoints' tables now (at startup), so that they are among the objects the
         gateway freezes out of the garbage collector's reach (`GatewayApp.startup`): a full
-        collection walks every entry of a tracked ordered dict (≈ 50 ms for a full index of
-        64 endpoints), and their entries are ints and floats, which never form cycles."""
+        collection walks every entry of a tracked ordered dict (one per single-block entry or
+        leaf: up to ≈ 50 ms for 64 endpoints whose blocks are all shared), and their entries
+        are ints, floats and leaves of arrays, which never form cycles."""
         for endpoint in endpoints:
             self._for(endpoint)
 
@@ -302,7 +462,9 @@ class PrefixIndex:
             return {}
         else:
             names, tables = list(listed), list(listed.values())
-        first = list(_held(tables, hashes[0], oldest))
+        starts = list(map(dict.get, map(_ENTRIES, tables), repeat(hashes[0]),
+                          repeat(_MISSING)))
+        first = list(map(partial(operator.le, oldest), starts))
         if listed is not None and not all(first):
             for name, held in zip(names, first, strict=True):
                 if not held:
@@ -311,10 +473,25 @@ class PrefixIndex:
         if not holders:
             return {}
         tables = list(compress(tables, first))
+        starts = list(compress(starts, first))
+        depths = {}
+        leaves = list(map(_is_leaf, map(type, starts)))
+        if any(leaves):  # the prompt's first block starts a leaf there: compare the chains
+            for name, leaf in compress(zip(holders, starts, strict=True), leaves):
+                depths[name] = _common_prefix(leaf.hashes, hashes, 0)
+            inner = list(map(operator.not_, leaves))
+            holders, tables = list(compress(holders, inner)), list(compress(tables, inner))
+            if not holders:
+                return depths
         depth = tables[0].depth(hashes, now)
-        depths = dict.fromkeys(holders, depth)
+        depths.update(dict.fromkeys(holders, depth))
         others = tables[1:]
-        differ = map(operator.not_, _held(others, hashes[depth - 1], oldest))
+        # The others differ unless block depth - 1 is a single entry there (not a leaf's key,
+        # which may go on) and block depth is not held.
+        last = list(map(dict.get, map(_ENTRIES, others), repeat(hashes[depth - 1]),
+                        repeat(_MISSING)))
+        differ = map(operator.or_, map(partial(operator.gt, oldest), last),
+                     map(_is_leaf, map(type, last)))
         if depth < len(hashes):
             differ = map(operator.or_, differ, _held(others, hashes[depth], oldest))
         for name, blocks in compress(zip(holders[1:], others, strict=True), differ):
@@ -334,7 +511,7 @@ class PrefixIndex:
             listed = roots[hashes[0]] = {}
             if len(roots) > self.max_roots:
                 dropped, holders = roots.popitem(last=False)
-                if any(dropped in holder for holder in holders.values()):
+                if any(holder.holds_start(dropped) for holder in holders.values()):
                     self._incomplete_until = now + self.ttl  # still held, no longer listed
         else:
             roots.move_to_end(hashes[0])
@@ -378,9 +555,14 @@ class PrefixIndex:
 
     @property
     def memory_bytes(self) -> int:
-        """Estimated memory held by the index (entries and listed first blocks, times their
-        measured sizes)."""
-        return self.entries() * BYTES_PER_ENTRY + self.roots * BYTES_PER_ROOT
+        """Estimated memory held by the index (entries, leaves and listed first blocks, times
+        their measured sizes)."""
+        total = self.roots * BYTES_PER_ROOT
+        for blocks in self._blocks.values():
+            singles, leaves, in_leaves = blocks.sizes()
+            total += (singles * BYTES_PER_ENTRY + leaves * BYTES_PER_LEAF
+                      + in_leaves * BYTES_PER_LEAF_BLOCK)
+        return total
 
     @property
     def roots(self) -> int:

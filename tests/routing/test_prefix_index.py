@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 import time
 import zlib
@@ -10,7 +11,8 @@ import zlib
 import pytest
 
 from gateway.routing.prefix_index import (
-    BYTES_PER_ENTRY,
+    BYTES_PER_LEAF,
+    BYTES_PER_LEAF_BLOCK,
     BYTES_PER_ROOT,
     EndpointBlocks,
     PrefixHasher,
@@ -102,12 +104,18 @@ def test_the_recent_prompts_kept_are_bounded():
     assert len(hasher._recent) == 3
 
 
+def held(blocks: EndpointBlocks) -> set[int]:
+    hashes = [h for h, _ in blocks.items()]
+    assert len(hashes) == len(set(hashes)) == len(blocks)  # each block once, all counted
+    return set(hashes)
+
+
 def test_lru_is_bounded_and_evicts_deepest_blocks_first():
     blocks = EndpointBlocks(capacity=3, ttl=100)
     blocks.record([1, 2, 3], now=0)
     blocks.record([10, 20], now=1)
     assert len(blocks) == 3 and blocks.evictions == 2
-    assert 10 in blocks and 20 in blocks and 1 in blocks  # 3 then 2 went first
+    assert held(blocks) == {1, 10, 20}  # 3 then 2 went first
     assert blocks.depth([1, 2, 3], now=1) == 1
     assert blocks.depth([10, 20, 30], now=1) == 2
 
@@ -118,7 +126,7 @@ def test_retouching_moves_a_chain_behind_newer_ones():
     blocks.record([10, 20], now=1)
     blocks.record([1, 2], now=2)  # now the most recent: [10, 20] goes first
     blocks.record([5], now=3)
-    assert 20 not in blocks and {1, 2, 5, 10} == {h for h, _ in blocks.items()}
+    assert held(blocks) == {1, 2, 5, 10}
     assert blocks.items()[-1] == (5, 3)
 
 
@@ -126,7 +134,76 @@ def test_a_record_larger_than_the_capacity_keeps_its_first_blocks():
     blocks = EndpointBlocks(capacity=4, ttl=100)
     blocks.record([70, 80], now=0)
     blocks.record(list(range(10)), now=1)
-    assert len(blocks) == 4 and blocks.depth(list(range(10)), now=1) == 4 and 70 not in blocks
+    assert len(blocks) == 4 and blocks.depth(list(range(10)), now=1) == 4 and 70 not in held(blocks)
+
+
+def test_a_prompt_nobody_shares_is_one_leaf_and_a_conversation_grows_it():
+    blocks = EndpointBlocks(capacity=1000, ttl=100)
+    turn = list(range(1, 101))
+    blocks.record(turn, now=0)
+    assert blocks.sizes() == (0, 1, 100) and len(blocks) == 100
+    blocks.record([*turn, *range(500, 540)], now=1)  # the next turn goes on from its end
+    assert blocks.sizes() == (0, 1, 140)
+    assert blocks.depth([*turn, 500, 999], now=1) == 101
+    blocks.record(turn[:30], now=2)  # a prefix of the leaf: it stays whole, touched now
+    assert blocks.sizes() == (0, 1, 140) and blocks.items()[0] == (539, 2)
+
+
+def test_a_chain_that_leaves_a_leaf_part_way_splits_it():
+    blocks = EndpointBlocks(capacity=1000, ttl=100)
+    system, first, second = list(range(1, 51)), list(range(100, 120)), list(range(200, 230))
+    blocks.record(system + first, now=0)
+    blocks.record(system + second, now=5)
+    assert blocks.sizes() == (50, 2, 50)  # the shared blocks are entries of their own
+    assert held(blocks) == set(system + first + second)
+    times = dict(blocks.items())
+    assert times[first[0]] == times[first[-1]] == 0  # the first question keeps its time
+    assert times[system[0]] == times[second[-1]] == 5
+    assert blocks.depth(system + first, now=6) == 70
+    assert blocks.depth(system + second, now=6) == 80
+    assert blocks.depth([*system, 999], now=6) == 50
+    assert blocks.depth([*system[:10], 999], now=6) == 10
+    blocks.record(system + first[:5] + [300, 301], now=7)  # splits the first question's leaf
+    assert blocks.sizes() == (55, 3, 47)
+    assert blocks.depth(system + first, now=8) == 70 and blocks.depth(system + second, now=8) == 80
+
+
+def test_the_tree_matches_every_recorded_chain_while_nothing_is_evicted():
+    """Random prompts under shared system prompts and growing conversations: with room for
+    all, every block recorded is held once, and depth is the longest recorded prefix."""
+    rng = random.Random(11)
+    hasher = PrefixHasher(block_chars=4, max_blocks=64)
+    blocks = EndpointBlocks(capacity=10**6, ttl=10**6)
+    recorded: set[int] = set()
+    conversations = ["" for _ in range(5)]
+    systems = ["".join(rng.choice("abc") for _ in range(rng.randrange(4, 120))) for _ in range(4)]
+    for step in range(400):
+        kind = rng.randrange(3)
+        if kind == 0:
+            text = rng.choice(systems) + "".join(rng.choice("xyz") for _ in range(30))
+        elif kind == 1:
+            i = rng.randrange(5)
+            conversations[i] += "".join(rng.choice("pq") for _ in range(rng.randrange(1, 40)))
+            text = conversations[i]
+        else:
+            text = rng.choice(systems)[: rng.randrange(1, 120)]
+        chain = hasher.hashes(text, "m")
+        if not chain:
+            continue
+        blocks.record(chain, now=step)
+        recorded.update(chain)
+        assert held(blocks) == recorded, step
+        probe = hasher.hashes(text + "".join(rng.choice("abcxyzpq") for _ in range(20)), "m")
+        expected = next((k for k, h in enumerate(probe) if h not in recorded), len(probe))
+        assert blocks.depth(probe, now=step) == expected, step
+
+
+def test_loading_a_snapshot_over_leaves_keeps_every_block_once():
+    blocks = EndpointBlocks(capacity=100, ttl=100)
+    blocks.record([1, 2, 3], now=0)
+    blocks.load([2, 7], [1.0, 1.0], now=1)
+    assert held(blocks) == {1, 2, 3, 7} and blocks.sizes() == (4, 0, 0)
+    assert blocks.depth([1, 2, 3], now=1) == 3
 
 
 def _chains(count: int, length: int) -> list[list[int]]:
@@ -139,13 +216,14 @@ def test_capacity_is_never_exceeded_and_trimming_goes_deepest_first():
     chains = _chains(40, 24)
     inserted = 0
     for step, chain in enumerate(chains + chains[::3]):
-        inserted += sum(h not in blocks for h in chain)
+        inserted += sum(h not in held(blocks) for h in chain)
         blocks.record(chain, now=step)
         assert len(blocks) == min(inserted, blocks.capacity)
+        holding = held(blocks)
         for other in chains:  # every chain is held as a prefix: depth stays exact
-            held = [h in blocks for h in other]
-            depth = held.index(False) if False in held else len(held)
-            assert not any(held[depth:])
+            kept = [h in holding for h in other]
+            depth = kept.index(False) if False in kept else len(kept)
+            assert not any(kept[depth:])
             assert blocks.depth(other, now=step) == depth
         assert blocks.depth(chain, now=step) == len(chain)  # the newest is whole
     assert blocks.evictions == inserted - len(blocks) > 0
@@ -198,8 +276,8 @@ def test_index_match_record_evict_clear_and_memory():
     index.clear("e")
     index.evict("a", [13])
     assert index.match(hashes) == {"a": 2, "b": 1}
-    assert index.entries() == 3 and index.roots == 1
-    assert index.memory_bytes == 3 * BYTES_PER_ENTRY + BYTES_PER_ROOT
+    assert index.entries() == 3 and index.roots == 1  # a: [11, 12], b: [11], each a leaf
+    assert index.memory_bytes == 2 * BYTES_PER_LEAF + 3 * BYTES_PER_LEAF_BLOCK + BYTES_PER_ROOT
     index.clear("a")
     assert index.entries("a") == 0
     index.set_capacity("b", 10**9)
@@ -248,6 +326,16 @@ def test_match_gives_each_endpoint_its_own_depth_whoever_recorded_first(order):
                                       if depth}
 
 
+def test_match_follows_a_leaf_that_starts_where_another_holder_stops():
+    index = PrefixIndex(default_capacity=1000, ttl=60)
+    system, question = list(range(1, 51)), list(range(100, 110))
+    index.record("a", [*system, 900], now=0)
+    index.record("a", [*system, 901], now=0)  # a: the system prompt as single entries
+    index.record("b", [*system[:49], 902], now=0)
+    index.record("b", system + question, now=0)  # b: a leaf from the system's last block on
+    assert index.match(system + question, now=1) == {"a": 50, "b": 60}
+
+
 def test_memory_stays_bounded_under_many_prompts():
     index = PrefixIndex(default_capacity=1000, ttl=600)
     hasher = PrefixHasher()
@@ -259,7 +347,10 @@ def test_memory_stays_bounded_under_many_prompts():
         assert index.entries("a") <= 1000
     assert index.entries("a") == 1000 and index.roots == 300
     assert index.evictions("a") == recorded - index.entries("a")  # all prompts distinct
-    assert index.memory_bytes == 1000 * BYTES_PER_ENTRY + 300 * BYTES_PER_ROOT
+    singles, leaves, in_leaves = index._blocks["a"].sizes()
+    assert singles == 0 and in_leaves == 1000 and leaves == math.ceil(1000 / len(hashes))
+    assert index.memory_bytes == (leaves * BYTES_PER_LEAF + 1000 * BYTES_PER_LEAF_BLOCK
+                                  + 300 * BYTES_PER_ROOT)
 
 
 def test_prompt_text_is_prefix_preserving_across_turns():
