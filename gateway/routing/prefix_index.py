@@ -37,7 +37,8 @@ caches — about 150 µs for a 256-block prompt nobody shares, whatever the stru
 `OrderedDict`, a plain dict reordered by pop and re-insert, a dict with a queue of records all
 measured 100 to 150 µs); a leaf is one entry for the whole prompt. Only blocks that turn out to be
 shared are ever touched one by one. Leaves also hold 8 bytes a block instead of ≈ 200 and give
-the garbage collector nothing to walk. Generations of plain dicts, measured before, forgot
+the garbage collector nothing to walk. The tree answers exactly as an LRU of single blocks
+would (tested against one). Generations of plain dicts, measured before, forgot
 prefixes the engines still held (hit rates fell by a tenth in `benchmarks/routing.py`). For
 each recorded chain's first block the index lists the endpoints it went to, so `match` asks
 only those (see `PrefixIndex`).
@@ -58,6 +59,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from functools import partial
+from heapq import heapify, heappop, heappush, heapreplace
 from itertools import compress, repeat
 
 # Measured with tracemalloc (benchmarks/routing.py --micro): a single-block entry is an
@@ -179,12 +181,13 @@ class EndpointBlocks:
     A prefix tree in an `OrderedDict`: a block that two recorded chains share is an entry of
     its own (an inner node), and the rest of a chain, from its first block nobody else has, is
     one entry, a `_Leaf`, keyed by that block. A prompt nobody shares costs one entry, not one
-    per block; a leaf splits when a later chain leaves it part-way (its shared blocks become
-    single entries) and grows when a chain goes on from its end (the next turn of a
-    conversation). A block inside a leaf is never a key of its own."""
+    per block; a leaf splits when a later chain turns or stops inside it (the shared blocks become
+    single entries; the untouched rest keeps its time and, through a heap of displaced
+    leaves, its place in the eviction order) and grows when a chain goes on from its end (the
+    next turn of a conversation). A block inside a leaf is never a key of its own."""
 
-    __slots__ = ("_entries", "_in_leaves", "_leaves", "_sweep_at", "capacity", "evictions",
-                 "ttl")
+    __slots__ = ("_displaced", "_entries", "_in_leaves", "_leaves", "_sweep_at", "capacity",
+                 "evictions", "ttl")
 
     def __init__(self, capacity: int, ttl: float) -> None:
         self.capacity = max(1, capacity)
@@ -193,6 +196,7 @@ class EndpointBlocks:
         self._entries: OrderedDict[int, float] = OrderedDict()  # or a _Leaf for several blocks
         self._leaves = 0
         self._in_leaves = 0  # blocks in leaves, their keys included
+        self._displaced: list[tuple[float, int, _Leaf]] = []  # a heap: leaves out of order
         self._sweep_at = math.inf  # no entry expires before this time
 
     def __len__(self) -> int:
@@ -222,13 +226,11 @@ class EndpointBlocks:
                 start = held - 1
                 self._drop(hashes[start])
                 shared = _common_prefix(leaf.hashes, hashes, start)
-                if shared == len(leaf.hashes) or start + shared == len(hashes):
-                    # One goes on like the other: one leaf, the longer.
+                if shared == len(leaf.hashes):  # the chain goes on from the leaf's end
                     inner = start
-                    tail = (leaf.hashes if len(leaf.hashes) > len(hashes) - start
-                            else hashes[start:])
-                else:  # they part inside the leaf: its shared blocks become single entries
-                    self._add_leaf(leaf.hashes[shared:], float(leaf))  # keeps its time
+                    tail = hashes[start:]
+                else:  # it stops or turns inside: the shared blocks become single entries
+                    self._add_rest(leaf.hashes[shared:], float(leaf))
                     inner = start + shared
                     tail = hashes[inner:]
                     for block_hash in hashes[start + 1:inner]:
@@ -250,6 +252,19 @@ class EndpointBlocks:
         self._entries[chain[0]] = _Leaf(touched, chain)
         self._leaves += 1
         self._in_leaves += len(chain)
+
+    def _add_rest(self, hashes: array[int], touched: float) -> None:
+        """The untouched rest of a split leaf: it keeps its older time, and the heap of
+        displaced leaves keeps its place in the eviction order (it goes in behind newer
+        entries). The heap holds live leaves and stale ones (refreshed or gone since); it is
+        rebuilt when the stale ones outnumber the leaves."""
+        self._add_leaf(hashes, touched)
+        displaced = self._displaced
+        heappush(displaced, (touched, hashes[0], self._entries[hashes[0]]))
+        if len(displaced) > 2 * self._leaves + 64:
+            entries = self._entries
+            self._displaced = [d for d in displaced if entries.get(d[1]) is d[2]]
+            heapify(self._displaced)
 
     def _drop(self, key: int) -> None:
         """Remove the entry `key`, if any (a stale one where a new one goes)."""
@@ -274,10 +289,12 @@ class EndpointBlocks:
             if type(value) is _Leaf and not inside.isdisjoint(value.hashes):
                 cut = next(i for i, h in enumerate(value.hashes) if h in inside)
                 self._in_leaves -= len(value.hashes) - cut
-                self._entries[key] = _Leaf(value, value.hashes[:cut])
+                self._entries[key] = shorter = _Leaf(value, value.hashes[:cut])
+                heappush(self._displaced, (float(value), key, shorter))  # it may have been
 
     def clear(self) -> None:
         self._entries.clear()
+        self._displaced.clear()
         self._leaves = self._in_leaves = 0
         self._sweep_at = math.inf
 
@@ -287,7 +304,8 @@ class EndpointBlocks:
             self._trim(now)
 
     def items(self) -> list[tuple[int, float]]:
-        """(hash, last touched) pairs, least recently touched first (a leaf's deepest first)."""
+        """(hash, last touched) pairs, least recently touched first (a leaf's deepest first),
+        except that the rest of a split leaf comes where it was split, with its older time."""
         out: list[tuple[int, float]] = []
         for key, touched in self._entries.items():
             if type(touched) is _Leaf:
@@ -307,6 +325,7 @@ class EndpointBlocks:
             singles = self.items()
             entries.clear()
             entries.update(singles)
+            self._displaced.clear()
             self._leaves = self._in_leaves = 0
         move_to_end = entries.move_to_end
         for block_hash, at in zip(hashes, touched, strict=True):
@@ -350,34 +369,45 @@ class EndpointBlocks:
         return low
 
     def _trim(self, now: float) -> None:
-        """Drop the oldest entries while they are expired or over capacity; a leaf over
+        """Drop the oldest entries while they are expired or over capacity — the front of
+        the ordered dict or the oldest displaced leaf, whichever was touched first; a leaf over
         capacity by fewer blocks than it has loses its deepest ones and keeps its place."""
         entries = self._entries
+        displaced = self._displaced
         oldest = now - self.ttl
         over = len(self) - self.capacity
         while entries:
-            key, touched = entries.popitem(last=False)
+            while displaced and entries.get(displaced[0][1]) is not displaced[0][2]:
+                heappop(displaced)  # refreshed, replaced or evicted since
+            key, touched = next(iter(entries.items()))
+            rest = bool(displaced) and displaced[0][0] < touched
+            if rest:
+                _, key, touched = displaced[0]
             expired = touched < oldest
             if not expired and over <= 0:
-                entries[key] = touched
-                entries.move_to_end(key, last=False)
                 break
-            if type(touched) is not _Leaf:
-                self.evictions += 1
-                over -= 1
-                continue
-            weight = len(touched.hashes)
-            if not expired and weight > over:
-                self._in_leaves -= over
-                self.evictions += over
-                entries[key] = _Leaf(touched, touched.hashes[: weight - over])
-                entries.move_to_end(key, last=False)
-                break
-            self._leaves -= 1
-            self._in_leaves -= weight
+            if type(touched) is _Leaf:
+                weight = len(touched.hashes)
+                if not expired and weight > over:
+                    entries[key] = shorter = _Leaf(touched, touched.hashes[: weight - over])
+                    if rest:
+                        heapreplace(displaced, (float(touched), key, shorter))
+                    self._in_leaves -= over
+                    self.evictions += over
+                    break
+                self._leaves -= 1
+                self._in_leaves -= weight
+            else:
+                weight = 1
+            if rest:
+                heappop(displaced)
+                del entries[key]
+            else:
+                entries.popitem(last=False)
             self.evictions += weight
             over -= weight
-        self._sweep_at = next(iter(entries.values()), math.inf) + self.ttl
+        front = next(iter(entries.values()), math.inf)
+        self._sweep_at = min(front, displaced[0][0] if displaced else math.inf) + self.ttl
 
 
 def _common_prefix(chain: list[int], hashes: Sequence[int], start: int) -> int:

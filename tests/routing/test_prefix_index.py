@@ -7,6 +7,7 @@ import math
 import random
 import time
 import zlib
+from collections import OrderedDict
 
 import pytest
 
@@ -145,8 +146,10 @@ def test_a_prompt_nobody_shares_is_one_leaf_and_a_conversation_grows_it():
     blocks.record([*turn, *range(500, 540)], now=1)  # the next turn goes on from its end
     assert blocks.sizes() == (0, 1, 140)
     assert blocks.depth([*turn, 500, 999], now=1) == 101
-    blocks.record(turn[:30], now=2)  # a prefix of the leaf: it stays whole, touched now
-    assert blocks.sizes() == (0, 1, 140) and blocks.items()[0] == (539, 2)
+    blocks.record(turn[:30], now=2)  # stops inside the leaf: only what it touched is newer
+    assert blocks.sizes() == (30, 1, 110)
+    assert dict(blocks.items())[turn[30]] == 1 and dict(blocks.items())[turn[29]] == 2
+    assert blocks.depth([*turn, 500], now=2) == 101
 
 
 def test_a_chain_that_leaves_a_leaf_part_way_splits_it():
@@ -166,6 +169,20 @@ def test_a_chain_that_leaves_a_leaf_part_way_splits_it():
     blocks.record(system + first[:5] + [300, 301], now=7)  # splits the first question's leaf
     assert blocks.sizes() == (55, 3, 47)
     assert blocks.depth(system + first, now=8) == 70 and blocks.depth(system + second, now=8) == 80
+
+
+def test_the_rest_of_a_split_leaf_is_evicted_in_the_order_it_was_touched():
+    blocks = EndpointBlocks(capacity=30, ttl=100)
+    system, old_question = [1, 2, 3, 4, 5], [10, 11, 12, 13, 14]
+    blocks.record(system + old_question, now=0)
+    blocks.record(list(range(100, 110)), now=1)
+    blocks.record([*system, 20, 21], now=2)  # the old question's rest, touched at 0, goes last
+    blocks.record(list(range(200, 210)), now=3)  # 32 blocks: two over
+    assert held(blocks) == set(range(100, 110)) | set(range(200, 210)) | {1, 2, 3, 4, 5, 10,
+                                                                           11, 12, 20, 21}
+    blocks.record(list(range(300, 304)), now=4)  # four more: the rest of the old question first
+    assert not held(blocks) & {10, 11, 12} and {100, 101, 102}.issubset(held(blocks))
+    assert blocks.depth(system + old_question, now=4) == 5 and len(blocks) == 30
 
 
 def test_the_tree_matches_every_recorded_chain_while_nothing_is_evicted():
@@ -196,6 +213,52 @@ def test_the_tree_matches_every_recorded_chain_while_nothing_is_evicted():
         probe = hasher.hashes(text + "".join(rng.choice("abcxyzpq") for _ in range(20)), "m")
         expected = next((k for k, h in enumerate(probe) if h not in recorded), len(probe))
         assert blocks.depth(probe, now=step) == expected, step
+
+
+class BlockLru:
+    """The reference: an exact LRU of single blocks, touched deepest first, with a TTL."""
+
+    def __init__(self, capacity: int, ttl: float) -> None:
+        self.capacity, self.ttl = capacity, ttl
+        self.touched: OrderedDict[int, float] = OrderedDict()
+
+    def record(self, chain: list[int], now: float) -> None:
+        for block_hash in reversed(chain):
+            self.touched[block_hash] = now
+            self.touched.move_to_end(block_hash)
+        while self.touched and (len(self.touched) > self.capacity
+                                or next(iter(self.touched.values())) < now - self.ttl):
+            self.touched.popitem(last=False)
+
+    def depth(self, chain: list[int], now: float) -> int:
+        fresh = [self.touched.get(h, -math.inf) >= now - self.ttl for h in chain]
+        return fresh.index(False) if False in fresh else len(fresh)
+
+
+@pytest.mark.parametrize(("seed", "capacity"), [(1, 20), (2, 60), (3, 300)])
+def test_the_tree_answers_like_an_lru_of_single_blocks(seed, capacity):
+    """Prompts that walk a tree of shared fragments (splits, prefixes of earlier prompts,
+    extensions), with evictions and expiry: every depth and size as an exact per-block LRU."""
+    rng = random.Random(seed)
+    hasher = PrefixHasher(block_chars=4, max_blocks=64, recent=0)
+    fragments = ["".join(rng.choice("abcdefgh") for _ in range(8)) for _ in range(40)]
+
+    def prompt() -> list[int]:
+        node, text = 0, ""
+        for _ in range(rng.randrange(1, 12)):
+            node = (node * 3 + rng.randrange(3)) % 40
+            text += fragments[node]
+        return hasher.hashes(text, "m")
+
+    tree, reference = EndpointBlocks(capacity, ttl=50), BlockLru(capacity, ttl=50)
+    now = 0.0
+    for step in range(2000):
+        now += rng.random()
+        probe, chain = prompt(), prompt()
+        assert tree.depth(probe, now) == reference.depth(probe, now), step
+        tree.record(chain, now)
+        reference.record(chain, now)
+        assert len(tree) == len(reference.touched), step
 
 
 def test_loading_a_snapshot_over_leaves_keeps_every_block_once():
