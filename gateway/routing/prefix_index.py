@@ -20,7 +20,7 @@ same length and seed, or by rare coincidence another seed's offset plus length) 
 about 1e-6 when they spread over 256 depths; and CRC-32 never confuses two prefixes that differ
 in one run of up to 32 bits (an edited character or number). A false hit only overstates one
 endpoint's cached prefix in one decision: the engine checks its cache by its own hashes, so no
-answer changes. The blocks are cut by `struct` and hashed in one comprehension, with no
+answer changes. The blocks are cut by one `struct` call and hashed in one comprehension, with no
 per-block slicing or function calls of our own.
 
 Per endpoint the index keeps an LRU of block hashes (an `OrderedDict`, least recently touched
@@ -57,7 +57,7 @@ import time
 import zlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
 from heapq import heapify, heappop, heappush, heapreplace
 from itertools import compress, repeat
@@ -91,7 +91,8 @@ class PrefixHasher:
         self.block_chars = block_chars
         self.max_blocks = max_blocks
         self.recent = recent
-        self._blocks = struct.Struct(f"{block_chars}s").iter_unpack
+        # One struct per block count: cuts `count` blocks in one C call (bytes objects).
+        self._cutters: dict[int, Callable[[bytes, int], tuple[bytes, ...]]] = {}
         self._recent: OrderedDict[tuple[int, bytes], tuple[bytes, list[int]]] = OrderedDict()
 
     def hashes(self, text: str, model: str, salt: str | None = None) -> list[int]:
@@ -130,12 +131,14 @@ class PrefixHasher:
         count = len(data) // size
         first = ((seed >> 33) + done) * _DEPTH
         crc = known[-1] & 0xFFFFFFFF if known else seed & 0xFFFFFFFF
+        cut = self._cutters.get(count - done)
+        if cut is None:
+            cut = self._cutters[count - done] = struct.Struct(
+                f"{size}s" * (count - done)).unpack_from
         crc32 = zlib.crc32
         known += [depth | (crc := crc32(block, crc))
-                  for depth, (block,) in zip(range(first, first + (count - done) * _DEPTH,
-                                                   _DEPTH),
-                                              self._blocks(memoryview(data)[done * size:]),
-                                              strict=True)]
+                  for depth, block in zip(range(first, first + (count - done) * _DEPTH, _DEPTH),
+                                          cut(data, done * size), strict=True)]
         return known
 
 
