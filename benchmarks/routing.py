@@ -447,7 +447,7 @@ def micro() -> dict[str, Any]:
         gc.unfreeze()
         for i in range(64):
             index.clear(f"e{i}")
-        out[f"full_gc_ms_{name}_index"] = alive - collection_ms()
+        out[f"full_gc_ms_{name}_index"] = max(0.0, alive - collection_ms())
 
     out["decision_8k_tokens_64_endpoints_us"], _, index = decisions(shared=True)
     out["index_entries_total_after_warmup"] = index.entries()
