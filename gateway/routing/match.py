@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -15,7 +16,7 @@ class PrefixMatch:
     first block; the others hold none. `session` is the affinity key, if any.
     """
 
-    hashes: list[int]
+    hashes: Sequence[int]  # a PromptChain: hashed when first needed
     prompt_tokens: int
     tokens_per_block: float
     matched: dict[str, int] = field(default_factory=dict)

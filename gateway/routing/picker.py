@@ -134,7 +134,7 @@ class RoutingServices:
         session (the producer step; retries and fallback pools reuse it)."""
         text = prompt_text(ctx.payload)
         session = session_key(ctx)
-        hashes = self.hasher.hashes(text, ctx.model, ctx.cache_salt)
+        hashes = self.hasher.chain(text, ctx.model, ctx.cache_salt)
         return PrefixMatch(
             hashes=hashes,
             prompt_tokens=math.ceil(len(text) / self.chars_per_token),

@@ -61,14 +61,17 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
 from heapq import heapify, heappop, heappush, heapreplace
 from itertools import compress, repeat
+from typing import overload
 
 # Measured with tracemalloc (benchmarks/routing.py --micro): a single-block entry is an
 # ordered-dict slot and link and its int key (140-210 B with the table's fill; the float is
 # shared by a record); a leaf adds its float object and array header to that, and 8 B a block;
+# a leaf that keeps its prompt's bytes (a `PromptChain`) holds 64 B a block instead;
 # a listed first block is an ordered-map node, its key and the small dict of its endpoints.
 BYTES_PER_ENTRY = 200
 BYTES_PER_LEAF = 330
 BYTES_PER_LEAF_BLOCK = 8
+BYTES_PER_TEXT_BLOCK = 64
 BYTES_PER_ROOT = 310
 
 _DEPTH = 1 << 32
@@ -93,36 +96,39 @@ class PrefixHasher:
         self.recent = recent
         # One struct per block count: cuts `count` blocks in one C call (bytes objects).
         self._cutters: dict[int, Callable[[bytes, int], tuple[bytes, ...]]] = {}
-        self._recent: OrderedDict[tuple[int, bytes], tuple[bytes, list[int]]] = OrderedDict()
+        self._recent: OrderedDict[tuple[int, bytes], tuple[bytes, PromptChain]] = OrderedDict()
 
     def hashes(self, text: str, model: str, salt: str | None = None) -> list[int]:
         """Hashes of the full blocks of `text`; element k names the first k + 1 blocks."""
+        return self.chain(text, model, salt).hashes()
+
+    def chain(self, text: str, model: str, salt: str | None = None) -> PromptChain:
+        """The same hashes as `hashes`, computed when first needed past the first block: a
+        prompt nobody holds is routed and recorded on its first block alone."""
         size = self.block_chars
         # Only the first max_blocks blocks are hashed: encode no more characters than that
         # (a character is at least one byte, so this still covers every hashed block).
         data = text[: size * self.max_blocks].encode()
         count = min(len(data) // size, self.max_blocks)
-        if not count:
-            return []
         data = data[: count * size]
         seed = int.from_bytes(hashlib.blake2b(f"{model}\x00{salt or ''}".encode(),
                                               digest_size=8).digest(), "little")
-        if not self.recent:
-            return self._chain(data, seed, [])
+        if not count or not self.recent:
+            return PromptChain(self, data, seed, [])
         key = (seed, data[:size])
         seen = self._recent.get(key)
         if seen is None:
-            hashes = self._chain(data, seed, [])
+            chain = PromptChain(self, data, seed, [])
         else:
             before, known = seen
             shared = _shared_blocks(data, before, size)
-            hashes = known if shared == count == len(known) else self._chain(
-                data, seed, known[:shared])
+            chain = known if shared == count == len(known) else PromptChain(
+                self, data, seed, known.prefix(shared))
             self._recent.move_to_end(key)
-        self._recent[key] = (data, hashes)
+        self._recent[key] = (data, chain)
         if len(self._recent) > self.recent:
             self._recent.popitem(last=False)
-        return hashes
+        return chain
 
     def _chain(self, data: bytes, seed: int, known: list[int]) -> list[int]:
         """`known` (the hashes of data's first blocks) extended to every block of `data`."""
@@ -158,16 +164,111 @@ def _shared_blocks(data: bytes, other: bytes, size: int) -> int:
     return low
 
 
+class PromptChain(Sequence[int]):
+    """A prompt's chained block hashes (`PrefixHasher.chain`), hashed when something first
+    needs one past the first block; until then it keeps the prompt's bytes. Slicing from the
+    start keeps it unhashed; a leaf that holds it compares it with another unhashed chain by
+    their bytes (`_common_prefix`), so a prompt that is only ever extended or repeated, or never
+    seen again, is never hashed past its first block."""
+
+    __slots__ = ("_hasher", "_hashes", "_known", "_seed", "data", "first")
+
+    def __init__(self, hasher: PrefixHasher, data: bytes, seed: int, known: list[int]) -> None:
+        self._hasher = hasher
+        self.data = data
+        self._seed = seed
+        self._hashes: list[int] | None = None
+        if not known and data:
+            known = hasher._chain(data[: hasher.block_chars], seed, [])
+        self._known = known  # the hashes of the first blocks, at least the first
+        self.first = known[0] if known else -1
+
+    def __len__(self) -> int:
+        return len(self.data) // self._hasher.block_chars
+
+    @property
+    def block_chars(self) -> int:
+        return self._hasher.block_chars
+
+    @property
+    def hashed(self) -> bool:
+        return self._hashes is not None
+
+    def hashes(self) -> list[int]:
+        """Every block's hash (hashing the rest now, once)."""
+        if self._hashes is None:
+            known = self._known
+            self._hashes = known if len(known) == len(self) else self._hasher._chain(
+                self.data, self._seed, list(known))
+        return self._hashes
+
+    def peek(self) -> list[int]:
+        """Every block's hash, leaving the chain as it was (hashed or not)."""
+        if self._hashes is not None:
+            return self._hashes
+        return self._hasher._chain(self.data, self._seed, list(self._known))
+
+    def prefix(self, count: int) -> list[int]:
+        """The first `count` hashes, hashing no further than that."""
+        if self._hashes is not None:
+            return self._hashes[:count]
+        if len(self._known) < count:
+            self._known = self._hasher._chain(self.data[: count * self._hasher.block_chars],
+                                              self._seed, list(self._known))
+        return self._known[:count]
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[int]: ...
+
+    def __getitem__(self, index: int | slice) -> int | Sequence[int]:
+        if type(index) is int:
+            return self.first if index == 0 else self.hashes()[index]
+        assert isinstance(index, slice)
+        start, stop, step = index.indices(len(self))
+        if self._hashes is None and start == 0 and step == 1:
+            if stop == len(self):
+                return self
+            if stop <= 0:
+                return []
+            # The first `stop` blocks, still unhashed.
+            return PromptChain(self._hasher, self.data[: stop * self._hasher.block_chars],
+                               self._seed, self._known[:stop])
+        return self.hashes()[index]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.hashes())
+
+    def __reversed__(self) -> Iterator[int]:
+        return reversed(self.hashes())
+
+
+def hashed(hashes: Sequence[int]) -> Sequence[int]:
+    """`hashes` with every hash computed (a `PromptChain`'s list)."""
+    return hashes.hashes() if type(hashes) is PromptChain else hashes
+
+
+def _leaf_chain(hashes: Sequence[int]) -> array[int] | PromptChain:
+    """What a leaf keeps: an unhashed prompt chain as it is, hashes in an array."""
+    if type(hashes) is array:
+        return hashes
+    if type(hashes) is PromptChain and not hashes.hashed:
+        return hashes
+    return array("Q", hashed(hashes))
+
+
 class _Leaf(float):
     """The blocks of one chain from its first unshared block on, as one entry: the time they
     were last touched (the float value, so the entry compares like any other) and their hashes
     in an array (`hashes[0]` is the entry's key): 8 bytes a block, and nothing for the garbage
-    collector to walk."""
+    collector to walk; or the unhashed `PromptChain` of a prompt nobody else had."""
 
     __slots__ = ("hashes",)
-    hashes: array[int]
+    hashes: array[int] | PromptChain
 
-    def __new__(cls, touched: float, hashes: array[int]) -> _Leaf:
+    def __new__(cls, touched: float, hashes: array[int] | PromptChain) -> _Leaf:
         leaf = super().__new__(cls, touched)
         leaf.hashes = hashes
         return leaf
@@ -189,8 +290,8 @@ class EndpointBlocks:
     leaves, its place in the eviction order) and grows when a chain goes on from its end (the
     next turn of a conversation). A block inside a leaf is never a key of its own."""
 
-    __slots__ = ("_displaced", "_entries", "_in_leaves", "_leaves", "_sweep_at", "capacity",
-                 "evictions", "ttl")
+    __slots__ = ("_displaced", "_entries", "_in_leaves", "_leaves", "_sweep_at", "_unhashed",
+                 "capacity", "evictions", "ttl")
 
     def __init__(self, capacity: int, ttl: float) -> None:
         self.capacity = max(1, capacity)
@@ -199,6 +300,7 @@ class EndpointBlocks:
         self._entries: OrderedDict[int, float] = OrderedDict()  # or a _Leaf for several blocks
         self._leaves = 0
         self._in_leaves = 0  # blocks in leaves, their keys included
+        self._unhashed = 0  # of those, blocks in leaves that keep a prompt's bytes
         self._displaced: list[tuple[float, int, _Leaf]] = []  # a heap: leaves out of order
         self._sweep_at = math.inf  # no entry expires before this time
 
@@ -215,14 +317,18 @@ class EndpointBlocks:
         """(single-block entries, leaves, blocks in leaves)."""
         return len(self._entries) - self._leaves, self._leaves, self._in_leaves
 
+    @property
+    def unhashed(self) -> int:
+        """Blocks in leaves that keep their prompt's bytes (64 bytes a block, not 8)."""
+        return self._unhashed
+
     def record(self, hashes: Sequence[int], now: float) -> None:
         """`hashes` were all touched now: the blocks this endpoint held already are touched
         (deepest first, so the first blocks end most recent), the rest becomes a leaf, older
         than the blocks before it; then trim."""
         entries = self._entries
         held = self._keys_held(hashes, now)
-        inner = held  # hashes[:inner] become (or stay) single entries
-        tail: Sequence[int] = hashes[held:]  # becomes a leaf
+        inner = held  # hashes[:inner] become (or stay) single entries, hashes[inner:] a leaf
         if held:
             leaf = entries[hashes[held - 1]]
             if type(leaf) is _Leaf:
@@ -231,15 +337,14 @@ class EndpointBlocks:
                 shared = _common_prefix(leaf.hashes, hashes, start)
                 if shared == len(leaf.hashes):  # the chain goes on from the leaf's end
                     inner = start
-                    tail = hashes[start:]
                 else:  # it stops or turns inside: the shared blocks become single entries
+                    hashes = hashed(hashes)
                     self._add_rest(leaf.hashes[shared:], float(leaf))
                     inner = start + shared
-                    tail = hashes[inner:]
                     for block_hash in hashes[start + 1:inner]:
                         self._drop(block_hash)  # a stale key (after `evict`), if any
-        if tail:
-            self._add_leaf(tail, now)
+        if inner < len(hashes):
+            self._add_leaf(hashes[inner:], now)
         move_to_end = entries.move_to_end
         for block_hash in reversed(hashes[:inner]):
             entries[block_hash] = now
@@ -250,13 +355,20 @@ class EndpointBlocks:
             self._trim(now)
 
     def _add_leaf(self, hashes: Sequence[int], touched: float) -> None:
-        chain = hashes if type(hashes) is array else array("Q", hashes)
+        chain = _leaf_chain(hashes)
         self._drop(chain[0])
-        self._entries[chain[0]] = _Leaf(touched, chain)
-        self._leaves += 1
-        self._in_leaves += len(chain)
+        leaf = self._entries[chain[0]] = _Leaf(touched, chain)
+        self._count(leaf, 1)
 
-    def _add_rest(self, hashes: array[int], touched: float) -> None:
+    def _count(self, leaf: _Leaf, sign: int) -> None:
+        """A leaf comes in (sign 1) or goes (-1)."""
+        blocks = sign * len(leaf.hashes)
+        self._leaves += sign
+        self._in_leaves += blocks
+        if type(leaf.hashes) is PromptChain:
+            self._unhashed += blocks
+
+    def _add_rest(self, hashes: Sequence[int], touched: float) -> None:
         """The untouched rest of a split leaf: it keeps its older time, and the heap of
         displaced leaves keeps its place in the eviction order (it goes in behind newer
         entries). The heap holds live leaves and stale ones (refreshed or gone since); it is
@@ -273,8 +385,7 @@ class EndpointBlocks:
         """Remove the entry `key`, if any (a stale one where a new one goes)."""
         value = self._entries.pop(key, None)
         if type(value) is _Leaf:
-            self._leaves -= 1
-            self._in_leaves -= len(value.hashes)
+            self._count(value, -1)
 
     def evict(self, hashes: Iterable[int]) -> None:
         """These blocks are no longer held. One inside a leaf cuts the leaf there (the blocks
@@ -291,14 +402,15 @@ class EndpointBlocks:
         for key, value in list(self._entries.items()):
             if type(value) is _Leaf and not inside.isdisjoint(value.hashes):
                 cut = next(i for i, h in enumerate(value.hashes) if h in inside)
-                self._in_leaves -= len(value.hashes) - cut
-                self._entries[key] = shorter = _Leaf(value, value.hashes[:cut])
+                self._count(value, -1)
+                self._entries[key] = shorter = _Leaf(value, _leaf_chain(value.hashes[:cut]))
+                self._count(shorter, 1)
                 heappush(self._displaced, (float(value), key, shorter))  # it may have been
 
     def clear(self) -> None:
         self._entries.clear()
         self._displaced.clear()
-        self._leaves = self._in_leaves = 0
+        self._leaves = self._in_leaves = self._unhashed = 0
         self._sweep_at = math.inf
 
     def resize(self, capacity: int, now: float) -> None:
@@ -312,7 +424,9 @@ class EndpointBlocks:
         out: list[tuple[int, float]] = []
         for key, touched in self._entries.items():
             if type(touched) is _Leaf:
-                out += zip(reversed(touched.hashes), repeat(float(touched)))
+                chain = touched.hashes
+                hashes = chain.peek() if type(chain) is PromptChain else chain
+                out += zip(reversed(hashes), repeat(float(touched)))
             else:
                 out.append((key, touched))
         return out
@@ -329,7 +443,7 @@ class EndpointBlocks:
             entries.clear()
             entries.update(singles)
             self._displaced.clear()
-            self._leaves = self._in_leaves = 0
+            self._leaves = self._in_leaves = self._unhashed = 0
         move_to_end = entries.move_to_end
         for block_hash, at in zip(hashes, touched, strict=True):
             entries[block_hash] = at
@@ -392,14 +506,15 @@ class EndpointBlocks:
             if type(touched) is _Leaf:
                 weight = len(touched.hashes)
                 if not expired and weight > over:
-                    entries[key] = shorter = _Leaf(touched, touched.hashes[: weight - over])
+                    self._count(touched, -1)
+                    entries[key] = shorter = _Leaf(
+                        touched, _leaf_chain(touched.hashes[: weight - over]))
+                    self._count(shorter, 1)
                     if rest:
                         heapreplace(displaced, (float(touched), key, shorter))
-                    self._in_leaves -= over
                     self.evictions += over
                     break
-                self._leaves -= 1
-                self._in_leaves -= weight
+                self._count(touched, -1)
             else:
                 weight = 1
             if rest:
@@ -413,10 +528,14 @@ class EndpointBlocks:
         self._sweep_at = min(front, displaced[0][0] if displaced else math.inf) + self.ttl
 
 
-def _common_prefix(chain: list[int], hashes: Sequence[int], start: int) -> int:
-    """How many leading elements of `chain` equal `hashes[start:]`. Both are chains of
-    hashes, each naming the whole prefix up to its block, so equal elements at k mean equal
-    elements before k: a binary search over single elements."""
+def _common_prefix(chain: Sequence[int], hashes: Sequence[int], start: int) -> int:
+    """How many leading elements of `chain` equal `hashes[start:]`, `chain[0]` being equal.
+    Both are chains of hashes, each naming the whole prefix up to its block, so equal elements
+    at k mean equal elements before k: a binary search over single elements. Two unhashed
+    prompt chains compare their bytes instead (memcmp), without hashing."""
+    if (start == 0 and type(chain) is PromptChain and type(hashes) is PromptChain
+            and not chain.hashed):
+        return max(1, _shared_blocks(hashes.data, chain.data, chain.block_chars))
     size = min(len(chain), len(hashes) - start)
     if chain[size - 1] == hashes[start + size - 1]:
         return size
@@ -594,7 +713,8 @@ class PrefixIndex:
         for blocks in self._blocks.values():
             singles, leaves, in_leaves = blocks.sizes()
             total += (singles * BYTES_PER_ENTRY + leaves * BYTES_PER_LEAF
-                      + in_leaves * BYTES_PER_LEAF_BLOCK)
+                      + in_leaves * BYTES_PER_LEAF_BLOCK
+                      + blocks.unhashed * (BYTES_PER_TEXT_BLOCK - BYTES_PER_LEAF_BLOCK))
         return total
 
     @property

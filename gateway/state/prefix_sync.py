@@ -12,7 +12,7 @@ import struct
 import time
 from collections.abc import Sequence
 
-from gateway.routing.prefix_index import PrefixIndex
+from gateway.routing.prefix_index import PrefixIndex, hashed
 from gateway.state.store import Store
 
 TOPIC = "prefix"
@@ -26,6 +26,7 @@ class SharedPrefixIndex(PrefixIndex):
         store.share(TOPIC, self.apply_delta, self.snapshot, self.restore)
 
     def record(self, endpoint: str, hashes: Sequence[int], now: float | None = None) -> None:
+        hashes = hashed(hashes)  # the delta carries every hash: hash now, keep arrays
         super().record(endpoint, hashes, now)
         if hashes:
             self.store.publish(TOPIC, encode_delta(endpoint, hashes))

@@ -235,30 +235,77 @@ class BlockLru:
         return fresh.index(False) if False in fresh else len(fresh)
 
 
-@pytest.mark.parametrize(("seed", "capacity"), [(1, 20), (2, 60), (3, 300)])
-def test_the_tree_answers_like_an_lru_of_single_blocks(seed, capacity):
+@pytest.mark.parametrize(("seed", "capacity", "recent"),
+                         [(1, 20, 0), (2, 60, 0), (3, 300, 0), (4, 20, 8), (5, 60, 8),
+                          (6, 300, 8)])
+def test_the_tree_answers_like_an_lru_of_single_blocks(seed, capacity, recent):
     """Prompts that walk a tree of shared fragments (splits, prefixes of earlier prompts,
-    extensions), with evictions and expiry: every depth and size as an exact per-block LRU."""
+    extensions), with evictions and expiry, given to the tree as unhashed prompt chains (some
+    starting from a remembered prompt's hashes): every depth and size as an exact per-block
+    LRU given the hashes."""
     rng = random.Random(seed)
-    hasher = PrefixHasher(block_chars=4, max_blocks=64, recent=0)
+    hasher = PrefixHasher(block_chars=4, max_blocks=64, recent=recent)
     fragments = ["".join(rng.choice("abcdefgh") for _ in range(8)) for _ in range(40)]
 
-    def prompt() -> list[int]:
-        node, text = 0, ""
-        for _ in range(rng.randrange(1, 12)):
+    conversations = [fragments[i] for i in range(6)]
+
+    def prompt() -> str:
+        if rng.random() < 0.3:  # the next turn of a conversation, or the same one again
+            i = rng.randrange(len(conversations))
+            conversations[i] += rng.choice(fragments) * rng.randrange(2)
+            return conversations[i]
+        node = rng.randrange(8)
+        text = fragments[node]
+        for _ in range(rng.randrange(0, 11)):
             node = (node * 3 + rng.randrange(3)) % 40
             text += fragments[node]
-        return hasher.hashes(text, "m")
+        return text
 
     tree, reference = EndpointBlocks(capacity, ttl=50), BlockLru(capacity, ttl=50)
+    scratch = PrefixHasher(block_chars=4, max_blocks=64, recent=0)
     now = 0.0
     for step in range(2000):
         now += rng.random()
-        probe, chain = prompt(), prompt()
-        assert tree.depth(probe, now) == reference.depth(probe, now), step
-        tree.record(chain, now)
-        reference.record(chain, now)
+        probe, text = prompt(), prompt()
+        assert (tree.depth(hasher.chain(probe, "m"), now)
+                == reference.depth(scratch.hashes(probe, "m"), now)), step
+        tree.record(hasher.chain(text, "m"), now)
+        reference.record(scratch.hashes(text, "m"), now)
         assert len(tree) == len(reference.touched), step
+        assert held(tree) == set(reference.touched), step
+
+
+def test_a_prompt_nobody_holds_is_routed_and_recorded_on_its_first_block_alone():
+    hasher = PrefixHasher(block_chars=8, max_blocks=64, recent=0)
+    index = PrefixIndex(default_capacity=1000, ttl=60)
+    first = hasher.chain("conversation turn one " * 8, "m")
+    assert index.match(first, now=0) == {}
+    index.record("a", first, now=0)
+    assert not first.hashed and index._blocks["a"].unhashed == len(first)
+    second = hasher.chain("conversation turn one " * 8 + "and the second turn", "m")
+    assert index.match(second, now=1) == {"a": len(first)}  # compared by bytes
+    index.record("a", second, now=1)  # goes on from the leaf's end: one leaf, still unhashed
+    assert not first.hashed and not second.hashed
+    assert index._blocks["a"].sizes() == (0, 1, len(second))
+    other = hasher.chain("conversation turn one " * 4 + "something else entirely here", "m")
+    assert index.match(other, now=2) == {"a": 11}
+    index.record("a", other, now=2)  # turns inside the leaf: both are hashed, the leaf splits
+    assert other.hashed and index._blocks["a"].unhashed == 0
+    assert index.match(hasher.chain("conversation turn one " * 8 + "and the second turn",
+                                    "m"), now=3) == {"a": len(second)}
+
+
+def test_a_prompt_chain_gives_the_hashes_of_its_text():
+    hasher = PrefixHasher(block_chars=8, max_blocks=40)
+    text = "abcdefgh" * 3 + "ijklmnop" * 10
+    chain = hasher.chain(text, "m", "s")
+    expected = PrefixHasher(block_chars=8, max_blocks=40, recent=0).hashes(text, "m", "s")
+    assert len(chain) == len(expected) and chain[0] == expected[0] and not chain.hashed
+    assert list(chain[:5]) == expected[:5] and not chain.hashed  # a shorter unhashed chain
+    assert chain[-1] == expected[-1] and chain.hashed and list(chain) == expected
+    again = hasher.chain(text[:40] + "zzzzzzzz" * 5, "m", "s")  # reuses the first 5 blocks
+    assert list(again) == PrefixHasher(8, 40, recent=0).hashes(text[:40] + "zzzzzzzz" * 5,
+                                                                "m", "s")
 
 
 def test_loading_a_snapshot_over_leaves_keeps_every_block_once():
