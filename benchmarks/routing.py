@@ -477,6 +477,16 @@ def micro() -> dict[str, Any]:
             leaves.record([rng.getrandbits(64) for _ in range(length)], now=float(at))
         after = tracemalloc.get_traced_memory()[0]
         out[f"index_bytes_per_{length}_block_leaf"] = (after - before) / leaves.sizes()[1]
+    # A leaf that keeps its prompt's bytes: prompts nobody shares, recorded unhashed.
+    texts = [words(rng, 4_000) for _ in range(100)]
+    hasher = PrefixHasher(recent=0)
+    leaves = EndpointBlocks(capacity=200_000, ttl=600)
+    before = tracemalloc.get_traced_memory()[0]
+    for at, text in enumerate(texts):
+        leaves.record(hasher.chain(text, MODEL), now=float(at))
+    after = tracemalloc.get_traced_memory()[0]
+    out["index_bytes_per_256_block_unhashed_leaf"] = (after - before) / leaves.sizes()[1]
+    del texts
     tracemalloc.stop()
     chains = [[rng.getrandbits(64)] for _ in range(10_000)]
     listing = []
@@ -673,7 +683,8 @@ def main() -> int:
             if isinstance(v, dict))
             + f"; prefix index ≈ {micro_out['index_bytes_per_entry']:.0f} B per single-block "
             f"entry, {micro_out['index_bytes_per_16_block_leaf']:.0f} B per 16-block leaf, "
-            f"{micro_out['index_bytes_per_256_block_leaf']:.0f} B per 256-block leaf, "
+            f"{micro_out['index_bytes_per_256_block_leaf']:.0f} B per 256-block leaf "
+            f"({micro_out['index_bytes_per_256_block_unhashed_leaf']:.0f} B unhashed), "
             f"{micro_out['index_bytes_per_root']:.0f} B per listed first block; a full garbage "
             "collection walks the index the shared / new prompts left in "
             f"{micro_out['full_gc_ms_shared_prompts_index']:.0f} / "
