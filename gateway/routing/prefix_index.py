@@ -23,6 +23,14 @@ endpoint's cached prefix in one decision: the engine checks its cache by its own
 answer changes. The blocks are cut by one `struct` call and hashed in one comprehension, with no
 per-block slicing or function calls of our own.
 
+Hashing is lazy (`PrefixHasher.chain`): the first block is hashed at once — it finds the
+endpoints that may hold the prompt — and the rest when something needs it. A prompt nobody
+holds is recorded as a leaf that keeps its bytes; a later prompt that starts like it is
+compared with it by bytes (memcmp), so a conversation that only grows, or a prompt never seen
+again, is never hashed past its first block. The rest is hashed when a later prompt shares a
+part of it and then leaves it (the shared blocks become entries of their own), or when a
+replica needs the hashes (`SharedPrefixIndex` hashes every prompt it records).
+
 Per endpoint the index keeps an LRU of block hashes (an `OrderedDict`, least recently touched
 first) with the time each was last touched, bounded by a capacity in blocks, with a TTL, shaped
 as a prefix tree (`EndpointBlocks`): blocks that two recorded chains share are entries of their
