@@ -413,7 +413,7 @@ class EndpointBlocks:
                 self._count(value, -1)
                 self._entries[key] = shorter = _Leaf(value, _leaf_chain(value.hashes[:cut]))
                 self._count(shorter, 1)
-                heappush(self._displaced, (float(value), key, shorter))  # it may have been
+                heappush(self._displaced, (float(value), key, shorter))  # if it was displaced
 
     def clear(self) -> None:
         self._entries.clear()

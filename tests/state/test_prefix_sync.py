@@ -38,8 +38,10 @@ async def test_decisions_on_one_replica_are_matched_on_the_others(redis_server):
     for store in stores:
         await store.start()
     try:
-        chain = PrefixHasher().hashes("system prompt " * 200, "m", salt="tenant-a")
-        indexes[0].record("pool-1", chain)
+        unhashed = PrefixHasher().chain("system prompt " * 200, "m", salt="tenant-a")
+        indexes[0].record("pool-1", unhashed)  # as the picker records: hashed for the delta
+        chain = unhashed.hashes()
+        assert indexes[0]._blocks["pool-1"].unhashed == 0
         deadline = time.monotonic() + 5
         while indexes[2].match(chain).get("pool-1", 0) < len(chain):
             assert time.monotonic() < deadline
