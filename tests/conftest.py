@@ -7,8 +7,16 @@ import pytest
 
 from gateway.app import GatewayApp
 from gateway.config import parse_config
+from tests.sdk_clients import close_sdk_clients
 from tests.servers import ServerThread
 from tests.upstreams import ScriptedUpstream
+
+
+@pytest.fixture(autouse=True)
+def _close_sdk_clients() -> Iterator[None]:
+    """Every OpenAI SDK client a test made with `sdk_client` is closed when it ends."""
+    yield
+    close_sdk_clients()
 
 
 @pytest.fixture

@@ -10,8 +10,9 @@ import time
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
+
+from tests.sdk_clients import sdk_client
 
 KVGATE = [sys.executable, "-m", "gateway.cli"]
 
@@ -85,7 +86,7 @@ def test_demo_streams_a_chat_completion_to_the_openai_sdk():
     try:
         base = f"http://127.0.0.1:{port}"
         _wait_ready(base, proc)
-        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+        client = sdk_client(base_url=base + "/v1", api_key="unused", max_retries=0)
         stream = client.chat.completions.create(
             model="sim-model", stream=True, max_tokens=12,
             messages=[{"role": "user", "content": "Tell me about KV caches."}])
@@ -114,7 +115,7 @@ def test_serve_runs_the_minimal_config_against_simulated_engines(tmp_path: Path)
         try:
             base = f"http://127.0.0.1:{port}"
             _wait_ready(base, proc)
-            client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+            client = sdk_client(base_url=base + "/v1", api_key="unused", max_retries=0)
             seen = set()
             for _ in range(20):  # ties between idle engines are broken at random
                 raw = client.chat.completions.with_raw_response.create(

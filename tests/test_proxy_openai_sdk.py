@@ -7,10 +7,11 @@ import orjson
 import pytest
 
 from tests.conftest import gateway_config
+from tests.sdk_clients import sdk_client
 
 
 def _client(server, **kw) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="client-secret", max_retries=0, **kw)
+    return sdk_client(base_url=server.url + "/v1", api_key="client-secret", max_retries=0, **kw)
 
 
 def test_non_streaming_chat_completions_and_embeddings(upstream, gateway):

@@ -20,6 +20,7 @@ from gateway.cli import main
 from gateway.errors import AuthenticationFailed
 from tests.chain.helpers import chat, make_key, tenant
 from tests.conftest import gateway_config
+from tests.sdk_clients import sdk_client
 
 GOOD, GOOD_ENTRY = make_key("acme-1")
 REVOKED, REVOKED_ENTRY = make_key("acme-old")
@@ -76,12 +77,12 @@ def test_unknown_id_and_wrong_secret_get_the_same_answer(keyed):
 
 def test_good_key_works_with_the_sdk_and_bearer_is_not_forwarded(upstream, keyed):
     engine, _ = upstream
-    client = openai.OpenAI(base_url=keyed.url + "/v1", api_key=GOOD, max_retries=0)
+    client = sdk_client(base_url=keyed.url + "/v1", api_key=GOOD, max_retries=0)
     answer = client.chat.completions.create(model="m1", messages=[{"role": "user",
                                                                    "content": "hi"}])
     assert answer.choices[0].message.content == "hello"
     assert "authorization" not in engine.inference_requests[0].headers
-    wrong = openai.OpenAI(base_url=keyed.url + "/v1", api_key="acme-1.nope", max_retries=0)
+    wrong = sdk_client(base_url=keyed.url + "/v1", api_key="acme-1.nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         wrong.chat.completions.create(model="m1", messages=[{"role": "user", "content": "hi"}])
     assert len(engine.inference_requests) == 1

@@ -11,6 +11,7 @@ from gateway.chain.tenants import cache_salt_for
 from gateway.sim import EngineOptions, SimFleet
 from tests.chain.helpers import IDLE, admission_state, make_key, tenant
 from tests.conftest import gateway_config
+from tests.sdk_clients import sdk_client
 
 GOLD, GOLD_ENTRY = make_key("acme-1")
 SILVER, SILVER_ENTRY = make_key("globex-1")
@@ -44,7 +45,7 @@ def gateway(fleet, start_gateway):
 
 
 def _client(server, key: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+    return sdk_client(base_url=server.url + "/v1", api_key=key, max_retries=0)
 
 
 def test_three_tenants_with_the_openai_sdk(fleet, gateway):

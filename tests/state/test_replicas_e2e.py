@@ -17,6 +17,7 @@ import yaml
 
 from gateway.sim import EngineOptions, SimFleet
 from tests.redis_server import RedisServer
+from tests.sdk_clients import sdk_client
 from tests.test_cli import _free_port, _stop, _wait_ready
 
 pytestmark = pytest.mark.timeout(180)
@@ -63,7 +64,7 @@ class Gateways:
             _wait_ready(base, proc)
 
     def clients(self) -> list[openai.OpenAI]:
-        return [openai.OpenAI(base_url=b + "/v1", api_key=KEY, max_retries=0)
+        return [sdk_client(base_url=b + "/v1", api_key=KEY, max_retries=0)
                 for b in self.bases]
 
     def stop(self) -> None:
@@ -209,7 +210,7 @@ def test_workers_are_full_replicas_sharing_redis(tmp_path, redis):
         try:
             base = f"http://127.0.0.1:{port}"
             _wait_ready(base, proc)
-            client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0)
+            client = sdk_client(base_url=base + "/v1", api_key=KEY, max_retries=0)
             for i in range(6):
                 reply = client.chat.completions.create(
                     model="sim-model", max_tokens=3,
