@@ -348,6 +348,10 @@ def print_by_engine(label: str, plans: list[Planned], results: list[Result]) -> 
 
 # --- microbenchmark ------------------------------------------------------------------------
 
+def _p50_p99(samples: list[float]) -> dict[str, float]:
+    return {"p50": _percentile(samples, 0.5), "p99": _percentile(samples, 0.99)}
+
+
 def micro() -> dict[str, Any]:
     from gateway.routing.endpoints import Endpoint, Fleet, Pool
     from gateway.routing.picker import PolicyPicker, RoutingServices
@@ -368,7 +372,7 @@ def micro() -> dict[str, Any]:
             t = time.perf_counter()
             hasher.hashes(text_32k, MODEL, "salt")
             samples.append((time.perf_counter() - t) * 1e6)
-        out[label] = {"p50": _percentile(samples, 0.5), "p99": _percentile(samples, 0.99)}
+        out[label] = _p50_p99(samples)
 
     def ctx(text: str) -> RequestContext:
         payload = {"model": MODEL, "messages": [{"role": "user", "content": text}]}
@@ -379,8 +383,8 @@ def micro() -> dict[str, Any]:
         """3,000 decisions for ≈ 8k-token prompts over 64 endpoints: 32 shared system prompts
         with their own questions, or every prompt new. Measured in the steady state, after
         2,000 decisions and, for new prompts, once every endpoint's index is full (until then
-        each new prompt adds 256 entries and the index tables grow by doubling, which a
-        long-running gateway does once); the decisions before that are returned too."""
+        the index tables grow by doubling, which a long-running gateway does once); the
+        decisions before that are returned too."""
         endpoints = [Endpoint(name=f"e{i}", url=f"http://e{i}", pool="p", engine="vllm",
                               configured_models=frozenset({MODEL})) for i in range(64)]
         fleet = Fleet([Pool("p", "vllm", "kvgate", endpoints)])
@@ -424,9 +428,7 @@ def micro() -> dict[str, Any]:
             warmup.append(timed(len(warmup)))
         samples = [timed(len(warmup) + i) for i in range(3000)]
         gc.unfreeze()
-        return ({"p50": _percentile(samples, 0.5), "p99": _percentile(samples, 0.99)},
-                {"p50": _percentile(warmup, 0.5), "p99": _percentile(warmup, 0.99)},
-                services.index)
+        return _p50_p99(samples), _p50_p99(warmup), services.index
 
     def collection_ms() -> float:
         """The fastest of three full collections (after one that frees what it can)."""

@@ -205,16 +205,17 @@ class PromptChain(Sequence[int]):
     def hashes(self) -> list[int]:
         """Every block's hash (hashing the rest now, once)."""
         if self._hashes is None:
-            known = self._known
-            self._hashes = known if len(known) == len(self) else self._hasher._chain(
-                self.data, self._seed, list(known))
+            self._hashes = self.peek()
         return self._hashes
 
     def peek(self) -> list[int]:
         """Every block's hash, leaving the chain as it was (hashed or not)."""
         if self._hashes is not None:
             return self._hashes
-        return self._hasher._chain(self.data, self._seed, list(self._known))
+        known = self._known
+        if len(known) == len(self):
+            return known
+        return self._hasher._chain(self.data, self._seed, list(known))
 
     def prefix(self, count: int) -> list[int]:
         """The first `count` hashes, hashing no further than that."""
@@ -560,10 +561,14 @@ def _common_prefix(chain: Sequence[int], hashes: Sequence[int], start: int) -> i
 _ENTRIES = operator.attrgetter("_entries")
 
 
+def _touched(tables: list[EndpointBlocks], block_hash: int) -> Iterator[float]:
+    """When each endpoint last touched `block_hash` (-inf if it does not hold it), in C loops."""
+    return map(dict.get, map(_ENTRIES, tables), repeat(block_hash), repeat(_MISSING))
+
+
 def _held(tables: list[EndpointBlocks], block_hash: int, oldest: float) -> Iterator[bool]:
     """Whether each endpoint holds `block_hash`, touched at `oldest` or later (C loops)."""
-    touched = map(dict.get, map(_ENTRIES, tables), repeat(block_hash), repeat(_MISSING))
-    return map(partial(operator.le, oldest), touched)
+    return map(partial(operator.le, oldest), _touched(tables, block_hash))
 
 
 class PrefixIndex:
@@ -622,8 +627,7 @@ class PrefixIndex:
             return {}
         else:
             names, tables = list(listed), list(listed.values())
-        starts = list(map(dict.get, map(_ENTRIES, tables), repeat(hashes[0]),
-                          repeat(_MISSING)))
+        starts = list(_touched(tables, hashes[0]))
         first = list(map(partial(operator.le, oldest), starts))
         if listed is not None and not all(first):
             for name, held in zip(names, first, strict=True):
@@ -648,8 +652,7 @@ class PrefixIndex:
         others = tables[1:]
         # The others differ unless block depth - 1 is a single entry there (not a leaf's key,
         # which may go on) and block depth is not held.
-        last = list(map(dict.get, map(_ENTRIES, others), repeat(hashes[depth - 1]),
-                        repeat(_MISSING)))
+        last = list(_touched(others, hashes[depth - 1]))
         differ = map(operator.or_, map(partial(operator.gt, oldest), last),
                      map(_is_leaf, map(type, last)))
         if depth < len(hashes):
