@@ -3,7 +3,7 @@
 FROM python:3.11-slim
 WORKDIR /app
 COPY pyproject.toml README.md ./
-COPY gateway ./gateway
+COPY kvgate ./kvgate
 RUN pip install --no-cache-dir . && useradd --system kvgate
 USER kvgate
 EXPOSE 8080

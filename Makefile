@@ -21,12 +21,13 @@ demo: $(VENV)/.runtime-installed
 	$(BIN)/kvgate demo
 
 test: $(VENV)/.dev-installed
-	$(BIN)/ruff check gateway tests benchmarks
+	$(BIN)/ruff check kvgate tests benchmarks
+	$(BIN)/ruff format --check kvgate tests benchmarks
 	$(BIN)/python -m pytest
 
 lint: $(VENV)/.dev-installed
-	$(BIN)/ruff check gateway tests benchmarks
-	$(BIN)/ruff format --check gateway tests benchmarks
+	$(BIN)/ruff check kvgate tests benchmarks
+	$(BIN)/ruff format --check kvgate tests benchmarks
 
 clean:
 	rm -rf $(VENV) build *.egg-info

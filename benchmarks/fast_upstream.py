@@ -33,21 +33,35 @@ STAMP_PREFIX = b'"id":"bench-'
 
 _JSON = [(b"content-type", b"application/json")]
 _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
-_COMPLETION = orjson.dumps({
-    "id": "bench-0", "object": "chat.completion", "created": 0, "model": MODEL,
-    "choices": [{"index": 0, "finish_reason": "stop",
-                 "message": {"role": "assistant", "content": "ok"}}],
-    "usage": {"prompt_tokens": 8, "completion_tokens": 1, "total_tokens": 9},
-})
-_MODELS = orjson.dumps({"object": "list", "data": [
-    {"id": MODEL, "object": "model", "created": 0, "owned_by": "bench"}]})
-_CHUNK = (b'data: {"id":"bench-%d","object":"chat.completion.chunk","created":0,'
-          b'"model":"' + MODEL.encode() + b'","choices":[{"index":0,'
-          b'"delta":{"content":"tok "},"finish_reason":null}]}\n\n')
-_LAST = (b'data: {"id":"bench-%d","object":"chat.completion.chunk","created":0,'
-         b'"model":"' + MODEL.encode() + b'","choices":[{"index":0,"delta":{},'
-         b'"finish_reason":"stop"}],"usage":{"prompt_tokens":8,"completion_tokens":%d,'
-         b'"total_tokens":%d}}\n\n')
+_COMPLETION = orjson.dumps(
+    {
+        "id": "bench-0",
+        "object": "chat.completion",
+        "created": 0,
+        "model": MODEL,
+        "choices": [
+            {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "ok"}}
+        ],
+        "usage": {"prompt_tokens": 8, "completion_tokens": 1, "total_tokens": 9},
+    }
+)
+_MODELS = orjson.dumps(
+    {
+        "object": "list",
+        "data": [{"id": MODEL, "object": "model", "created": 0, "owned_by": "bench"}],
+    }
+)
+_CHUNK = (
+    b'data: {"id":"bench-%d","object":"chat.completion.chunk","created":0,'
+    b'"model":"' + MODEL.encode() + b'","choices":[{"index":0,'
+    b'"delta":{"content":"tok "},"finish_reason":null}]}\n\n'
+)
+_LAST = (
+    b'data: {"id":"bench-%d","object":"chat.completion.chunk","created":0,'
+    b'"model":"' + MODEL.encode() + b'","choices":[{"index":0,"delta":{},'
+    b'"finish_reason":"stop"}],"usage":{"prompt_tokens":8,"completion_tokens":%d,'
+    b'"total_tokens":%d}}\n\n'
+)
 _DONE = b"data: [DONE]\n\n"
 _METRICS_LABELS = '{{model_name="' + MODEL + '"}}'  # braces doubled for str.format
 _METRICS = (
@@ -118,10 +132,16 @@ async def _read_body(receive: Receive) -> bytes | None:
             return b"".join(parts)
 
 
-async def _respond(send: Send, status: int, body: bytes,
-                   content_type: list[tuple[bytes, bytes]] = _JSON) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [*content_type, (b"content-length", str(len(body)).encode())]})
+async def _respond(
+    send: Send, status: int, body: bytes, content_type: list[tuple[bytes, bytes]] = _JSON
+) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [*content_type, (b"content-length", str(len(body)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -144,9 +164,18 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=10, help="content events per stream")
     parser.add_argument("--gap-ms", type=float, default=2.0, help="gap between stream events")
     args = parser.parse_args()
-    uvicorn.run(FastUpstream(args.chunks, args.gap_ms / 1000), host="127.0.0.1", port=args.port,
-                loop="uvloop", http="httptools", lifespan="off", access_log=False,
-                log_level="warning", server_header=False, date_header=False)
+    uvicorn.run(
+        FastUpstream(args.chunks, args.gap_ms / 1000),
+        host="127.0.0.1",
+        port=args.port,
+        loop="uvloop",
+        http="httptools",
+        lifespan="off",
+        access_log=False,
+        log_level="warning",
+        server_header=False,
+        date_header=False,
+    )
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ import orjson
 from services import BENCH_DIR, free_port, gateway
 
 sys.path.insert(0, str(BENCH_DIR.parent))
-from gateway.sim import EngineOptions, SimFleet
+from kvgate.sim import EngineOptions, SimFleet
 
 MODEL = "sim-model"
 PROMPTS = [f"Tell me a story about river number {i}." for i in range(8)]
@@ -59,29 +59,57 @@ class Scenario:
 
 
 SCENARIOS = [
-    Scenario("1 crash before first byte", {0: {"mode": "reset_before_first_byte"}},
-             "retried elsewhere; lost = 0"),
-    Scenario("2a crash mid-stream (default)", {0: {"mode": "crash_after_tokens", "tokens": 8}},
-             "error event; lost = 0"),
-    Scenario("2b crash mid-stream (resume)", {0: {"mode": "crash_after_tokens", "tokens": 8}},
-             "text identical; lost = 0", resume=True),
-    Scenario("3a slow first token", {0: {"mode": "slow_first_token", "delay_ms": 5000}},
-             "timeout, retry, traffic shifts away"),
-    Scenario("3b stall after 4 tokens",
-             {0: {"mode": "stall_after_tokens", "tokens": 4, "delay_ms": 5000}},
-             "stall timeout: error event; lost = 0"),
-    Scenario("4 5xx storm (all engines)",
-             {i: {"mode": "http_error", "status": 503} for i in range(4)},
-             "amplification <= 1.2; fast 503 + Retry-After"),
+    Scenario(
+        "1 crash before first byte",
+        {0: {"mode": "reset_before_first_byte"}},
+        "retried elsewhere; lost = 0",
+    ),
+    Scenario(
+        "2a crash mid-stream (default)",
+        {0: {"mode": "crash_after_tokens", "tokens": 8}},
+        "error event; lost = 0",
+    ),
+    Scenario(
+        "2b crash mid-stream (resume)",
+        {0: {"mode": "crash_after_tokens", "tokens": 8}},
+        "text identical; lost = 0",
+        resume=True,
+    ),
+    Scenario(
+        "3a slow first token",
+        {0: {"mode": "slow_first_token", "delay_ms": 5000}},
+        "timeout, retry, traffic shifts away",
+    ),
+    Scenario(
+        "3b stall after 4 tokens",
+        {0: {"mode": "stall_after_tokens", "tokens": 4, "delay_ms": 5000}},
+        "stall timeout: error event; lost = 0",
+    ),
+    Scenario(
+        "4 5xx storm (all engines)",
+        {i: {"mode": "http_error", "status": 503} for i in range(4)},
+        "amplification <= 1.2; fast 503 + Retry-After",
+    ),
     Scenario("5 connection refused", {0: {"mode": "refuse"}}, "retried at once; ejected"),
-    Scenario("6 malformed SSE", {0: {"mode": "malformed_sse", "tokens": 4}},
-             "backend failure (error event), never garbage"),
-    Scenario("7 client disconnect (30%)", {}, "upstream aborted; no breaker opens",
-             disconnect_fraction=0.3),
-    Scenario("8 429/503 with Retry-After",
-             {0: {"mode": "http_error", "status": 429, "retry_after": 2},
-              1: {"mode": "http_error", "status": 503, "retry_after": 2}},
-             "honoured (held), budgeted; lost = 0"),
+    Scenario(
+        "6 malformed SSE",
+        {0: {"mode": "malformed_sse", "tokens": 4}},
+        "backend failure (error event), never garbage",
+    ),
+    Scenario(
+        "7 client disconnect (30%)",
+        {},
+        "upstream aborted; no breaker opens",
+        disconnect_fraction=0.3,
+    ),
+    Scenario(
+        "8 429/503 with Retry-After",
+        {
+            0: {"mode": "http_error", "status": 429, "retry_after": 2},
+            1: {"mode": "http_error", "status": 503, "retry_after": 2},
+        },
+        "honoured (held), budgeted; lost = 0",
+    ),
 ]
 
 
@@ -156,12 +184,18 @@ def classify(response_status: int, body: bytes) -> tuple[str, str]:
 
 
 def body_for(prompt: int) -> dict[str, Any]:
-    return {"model": MODEL, "stream": True, "max_tokens": MAX_TOKENS, "ignore_eos": True,
-            "messages": [{"role": "user", "content": PROMPTS[prompt]}]}
+    return {
+        "model": MODEL,
+        "stream": True,
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
+        "messages": [{"role": "user", "content": PROMPTS[prompt]}],
+    }
 
 
-async def one(client: httpx.AsyncClient, url: str, sample: Sample, origin: float,
-              disconnect: bool) -> None:
+async def one(
+    client: httpx.AsyncClient, url: str, sample: Sample, origin: float, disconnect: bool
+) -> None:
     await asyncio.sleep(max(0.0, origin + sample.intended - time.monotonic()))
     try:
         async with client.stream("POST", url, json=body_for(sample.prompt)) as response:
@@ -185,22 +219,33 @@ def counters(metrics: str) -> float:
     for line in metrics.splitlines():
         if line.startswith("kvgate_endpoint_healthy{") and line.endswith(" 0.0"):
             total += 1
-        elif (line.startswith("kvgate_throttled_attempts_total")
-                or line.startswith("kvgate_retries_total")
-                or (line.startswith("kvgate_breaker_transitions_total")
-                    and 'to_state="open"' in line)):
+        elif (
+            line.startswith("kvgate_throttled_attempts_total")
+            or line.startswith("kvgate_retries_total")
+            or (line.startswith("kvgate_breaker_transitions_total") and 'to_state="open"' in line)
+        ):
             total += float(line.rsplit(" ", 1)[1])
     return total
 
 
 def opened(metrics: str) -> int:
-    return int(sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-                   if line.startswith("kvgate_breaker_transitions_total")
-                   and 'to_state="open"' in line))
+    return int(
+        sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in metrics.splitlines()
+            if line.startswith("kvgate_breaker_transitions_total") and 'to_state="open"' in line
+        )
+    )
 
 
-async def watch(client: httpx.AsyncClient, url: str, origin: float, fault_at: float,
-                report: Report, stop: asyncio.Event) -> None:
+async def watch(
+    client: httpx.AsyncClient,
+    url: str,
+    origin: float,
+    fault_at: float,
+    report: Report,
+    stop: asyncio.Event,
+) -> None:
     baseline: float | None = None
     while not stop.is_set():
         try:
@@ -216,8 +261,9 @@ async def watch(client: httpx.AsyncClient, url: str, origin: float, fault_at: fl
         await asyncio.sleep(0.1)
 
 
-async def run_scenario(scenario: Scenario, fleet: SimFleet, args: argparse.Namespace,
-                       workdir: Path) -> Report:
+async def run_scenario(
+    scenario: Scenario, fleet: SimFleet, args: argparse.Namespace, workdir: Path
+) -> Report:
     port = free_port()
     config = workdir / "gateway.yaml"
     config.write_text(gateway_yaml(port, fleet.urls, scenario.resume))
@@ -247,15 +293,25 @@ async def run_scenario(scenario: Scenario, fleet: SimFleet, args: argparse.Names
                 for index in scenario.faults:
                     fleet.engines[index].clear_fault()
 
-            fault_timer = loop.call_at(loop.time() + args.seconds,
-                                       lambda: loop.run_in_executor(None, set_faults))
-            clear_timer = loop.call_at(loop.time() + 2 * args.seconds,
-                                       lambda: loop.run_in_executor(None, clear_faults))
+            fault_timer = loop.call_at(
+                loop.time() + args.seconds, lambda: loop.run_in_executor(None, set_faults)
+            )
+            clear_timer = loop.call_at(
+                loop.time() + 2 * args.seconds, lambda: loop.run_in_executor(None, clear_faults)
+            )
             try:
-                await asyncio.gather(*(
-                    one(client, url + "/v1/chat/completions", s, origin,
-                        rng.random() < scenario.disconnect_fraction)
-                    for s in report.samples))
+                await asyncio.gather(
+                    *(
+                        one(
+                            client,
+                            url + "/v1/chat/completions",
+                            s,
+                            origin,
+                            rng.random() < scenario.disconnect_fraction,
+                        )
+                        for s in report.samples
+                    )
+                )
             finally:
                 fault_timer.cancel()
                 clear_timer.cancel()
@@ -267,8 +323,11 @@ async def run_scenario(scenario: Scenario, fleet: SimFleet, args: argparse.Names
         report.received = sum(e.stats()["requests_received"] for e in fleet.engines) - before
         report.aborted = sum(e.stats()["requests_aborted"] for e in fleet.engines) - aborted
     cleared = 2 * args.seconds
-    bad = [s.intended for s in report.samples
-           if s.intended >= cleared and s.outcome not in ("complete", "disconnected")]
+    bad = [
+        s.intended
+        for s in report.samples
+        if s.intended >= cleared and s.outcome not in ("complete", "disconnected")
+    ]
     report.recover = (max(bad) - cleared) if bad else 0.0
     return report
 
@@ -277,8 +336,11 @@ async def references(fleet: SimFleet) -> list[str]:
     async with httpx.AsyncClient(timeout=30) as client:
         texts = []
         for i in range(len(PROMPTS)):
-            answer = (await client.post(fleet.urls[0] + "/v1/chat/completions",
-                                        json={**body_for(i), "stream": False})).json()
+            answer = (
+                await client.post(
+                    fleet.urls[0] + "/v1/chat/completions", json={**body_for(i), "stream": False}
+                )
+            ).json()
             texts.append(answer["choices"][0]["message"]["content"])
         return texts
 
@@ -286,18 +348,22 @@ async def references(fleet: SimFleet) -> list[str]:
 def row(report: Report, expected: list[str]) -> str:
     samples = report.samples
     sent = len(samples)
-    counts = {k: sum(s.outcome == k for s in samples)
-              for k in ("complete", "error", "lost", "disconnected")}
+    counts = {
+        k: sum(s.outcome == k for s in samples)
+        for k in ("complete", "error", "lost", "disconnected")
+    }
     wrong = sum(1 for s in samples if s.outcome == "complete" and s.text != expected[s.prompt])
     errors = [s for s in samples if s.outcome == "error" and s.status != 200]
     with_retry_after = sum(s.retry_after for s in errors)
     detect = f"{report.detect:.2f}" if report.detect is not None else "-"
     recover = f"{report.recover:.2f}" if report.recover is not None else "-"
     http_errors = f"{len(errors)} ({with_retry_after} w/ Retry-After)"
-    return (f"| {report.scenario.name} | {sent} | {counts['complete']} | {counts['error']} | "
-            f"{http_errors} | {counts['lost']} | {wrong} | {report.received / sent:.2f} | "
-            f"{report.opened} | {report.aborted} | {detect} | {recover} | "
-            f"{report.scenario.criterion} |")
+    return (
+        f"| {report.scenario.name} | {sent} | {counts['complete']} | {counts['error']} | "
+        f"{http_errors} | {counts['lost']} | {wrong} | {report.received / sent:.2f} | "
+        f"{report.opened} | {report.aborted} | {detect} | {recover} | "
+        f"{report.scenario.criterion} |"
+    )
 
 
 async def main_async(args: argparse.Namespace) -> str:
@@ -308,8 +374,10 @@ async def main_async(args: argparse.Namespace) -> str:
         "criterion |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    with SimFleet.in_thread(engines=4, options=options) as fleet, \
-            tempfile.TemporaryDirectory() as tmp:
+    with (
+        SimFleet.in_thread(engines=4, options=options) as fleet,
+        tempfile.TemporaryDirectory() as tmp,
+    ):
         expected = await references(fleet)
         for scenario in SCENARIOS:
             if args.only and not scenario.name.startswith(args.only):
@@ -329,14 +397,18 @@ def main() -> int:
     parser.add_argument("--output", type=Path, help="append the results section to FILE")
     args = parser.parse_args()
     table = asyncio.run(main_async(args))
-    machine = (f"nproc {os.cpu_count()}, {platform.processor() or platform.machine()}, "
-               f"Python {platform.python_version()}")
+    machine = (
+        f"nproc {os.cpu_count()}, {platform.processor() or platform.machine()}, "
+        f"Python {platform.python_version()}"
+    )
     command = "python benchmarks/faults.py " + " ".join(sys.argv[1:])
-    section = (f"\n## Fault matrix ({datetime.date.today().isoformat()})\n\n"
-               f"Machine: {machine}. Command: `{command.strip()}`. Pool of 4 simulated engines "
-               f"(realistic, speed {args.speed}), {args.rate:g} req/s open loop, streamed chat "
-               f"({MAX_TOKENS} tokens), phases of {args.seconds:g} s: healthy, faulted, "
-               "cleared.\n\n" + table + "\n")
+    section = (
+        f"\n## Fault matrix ({datetime.date.today().isoformat()})\n\n"
+        f"Machine: {machine}. Command: `{command.strip()}`. Pool of 4 simulated engines "
+        f"(realistic, speed {args.speed}), {args.rate:g} req/s open loop, streamed chat "
+        f"({MAX_TOKENS} tokens), phases of {args.seconds:g} s: healthy, faulted, "
+        "cleared.\n\n" + table + "\n"
+    )
     print(section)
     if args.output:
         with args.output.open("a") as out:

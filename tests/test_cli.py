@@ -14,7 +14,7 @@ import pytest
 
 from tests.sdk_clients import sdk_client
 
-KVGATE = [sys.executable, "-m", "gateway.cli"]
+KVGATE = [sys.executable, "-m", "kvgate.cli"]
 
 
 def _free_port() -> int:
@@ -50,29 +50,34 @@ def test_version_and_help():
     out = subprocess.run([*KVGATE, "--version"], capture_output=True, text=True, check=True)
     assert out.stdout.startswith("kvgate ")
     for command in ("serve", "demo", "sim", "check-config"):
-        help_text = subprocess.run([*KVGATE, command, "--help"], capture_output=True,
-                                   text=True, check=True).stdout
+        help_text = subprocess.run(
+            [*KVGATE, command, "--help"], capture_output=True, text=True, check=True
+        ).stdout
         assert f"kvgate {command}" in help_text
 
 
 def test_check_config_names_the_broken_key(tmp_path: Path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("server:\n  port: eighty\npools:\n  - name: a\n    endpoints:\n"
-                   "      - url: http://h:1\n        weight: 3\n")
+    bad.write_text(
+        "server:\n  port: eighty\npools:\n  - name: a\n    endpoints:\n"
+        "      - url: http://h:1\n        weight: 3\n"
+    )
     result = subprocess.run([*KVGATE, "check-config", str(bad)], capture_output=True, text=True)
     assert result.returncode == 1
     assert f"{bad}: server.port:" in result.stderr
     assert f"{bad}: pools[0].endpoints[0].weight: unknown key" in result.stderr
-    good = subprocess.run([*KVGATE, "check-config", "config/demo.yaml"], capture_output=True,
-                          text=True)
+    good = subprocess.run(
+        [*KVGATE, "check-config", "config/demo.yaml"], capture_output=True, text=True
+    )
     assert good.returncode == 0, good.stderr
 
 
 def test_serve_rejects_a_broken_config_without_starting(tmp_path: Path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("pools: []\n")
-    result = subprocess.run([*KVGATE, "serve", "--config", str(bad)], capture_output=True,
-                            text=True, timeout=30)
+    result = subprocess.run(
+        [*KVGATE, "serve", "--config", str(bad)], capture_output=True, text=True, timeout=30
+    )
     assert result.returncode == 1
     assert "pools" in result.stderr
 
@@ -80,16 +85,22 @@ def test_serve_rejects_a_broken_config_without_starting(tmp_path: Path):
 @pytest.mark.timeout(90)
 def test_demo_streams_a_chat_completion_to_the_openai_sdk():
     port = _free_port()
-    proc = subprocess.Popen([*KVGATE, "demo", "--port", str(port), "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        [*KVGATE, "demo", "--port", str(port), "--log-level", "warning"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     try:
         base = f"http://127.0.0.1:{port}"
         _wait_ready(base, proc)
         client = sdk_client(base_url=base + "/v1", api_key="unused", max_retries=0)
         stream = client.chat.completions.create(
-            model="sim-model", stream=True, max_tokens=12,
-            messages=[{"role": "user", "content": "Tell me about KV caches."}])
+            model="sim-model",
+            stream=True,
+            max_tokens=12,
+            messages=[{"role": "user", "content": "Tell me about KV caches."}],
+        )
         contents = [c.choices[0].delta.content for c in stream if c.choices]
         assert len([c for c in contents if c]) >= 5
         assert [m.id for m in client.models.list()] == ["sim-model"]
@@ -100,18 +111,31 @@ def test_demo_streams_a_chat_completion_to_the_openai_sdk():
 
 @pytest.mark.timeout(90)
 def test_serve_runs_the_minimal_config_against_simulated_engines(tmp_path: Path):
-    from gateway.sim import EngineOptions, SimFleet
+    from kvgate.sim import EngineOptions, SimFleet
 
     with SimFleet.in_thread(engines=2, options=EngineOptions(profile="fast")) as fleet:
         port = _free_port()
         config = tmp_path / "kvgate.yaml"
         endpoints = "".join(f"      - url: {u}\n" for u in fleet.urls)
-        config.write_text(f"server:\n  port: {port}\npools:\n  - name: default\n"
-                          f"    engine: vllm\n    models: [sim-model]\n    endpoints:\n"
-                          f"{endpoints}")
-        proc = subprocess.Popen([*KVGATE, "serve", "--config", str(config), "--host",
-                                 "127.0.0.1", "--log-level", "warning"],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        config.write_text(
+            f"server:\n  port: {port}\npools:\n  - name: default\n"
+            f"    engine: vllm\n    models: [sim-model]\n    endpoints:\n"
+            f"{endpoints}"
+        )
+        proc = subprocess.Popen(
+            [
+                *KVGATE,
+                "serve",
+                "--config",
+                str(config),
+                "--host",
+                "127.0.0.1",
+                "--log-level",
+                "warning",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
         try:
             base = f"http://127.0.0.1:{port}"
             _wait_ready(base, proc)
@@ -119,8 +143,8 @@ def test_serve_runs_the_minimal_config_against_simulated_engines(tmp_path: Path)
             seen = set()
             for _ in range(20):  # ties between idle engines are broken at random
                 raw = client.chat.completions.with_raw_response.create(
-                    model="sim-model", max_tokens=4,
-                    messages=[{"role": "user", "content": "hello"}])
+                    model="sim-model", max_tokens=4, messages=[{"role": "user", "content": "hello"}]
+                )
                 seen.add(raw.headers["x-kvgate-endpoint"])
                 assert raw.parse().choices[0].message.content
             assert seen == {"default-0", "default-1"}

@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from gateway.config import ConfigError, load_config, parse_config
+from kvgate.config import ConfigError, load_config, parse_config
 
 MINIMAL = """\
 server:
@@ -37,8 +37,15 @@ def test_minimal_file_from_the_docs_loads_exactly_as_written(tmp_path):
     assert config.server.max_body_bytes == 10 * 1024 * 1024
 
 
-@pytest.mark.parametrize("path", ["config/single-node.yaml", "config/demo.yaml",
-                                  "config/multi-replica.yaml", "config/tenants.yaml"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "config/single-node.yaml",
+        "config/demo.yaml",
+        "config/multi-replica.yaml",
+        "config/tenants.yaml",
+    ],
+)
 def test_shipped_example_configs_load(path, monkeypatch):
     monkeypatch.setenv("ENGINE_API_KEY", "k")
     load_config(path)
@@ -46,13 +53,18 @@ def test_shipped_example_configs_load(path, monkeypatch):
 
 def test_env_substitution_with_default(tmp_path, monkeypatch):
     monkeypatch.setenv("ENGINE_KEY", "s3cret")
-    config = load_config(_write(tmp_path, """\
+    config = load_config(
+        _write(
+            tmp_path,
+            """\
         pools:
           - name: p
             endpoints:
               - url: http://${ENGINE_HOST:-127.0.0.1}:9100
                 api_key: ${ENGINE_KEY}
-        """))
+        """,
+        )
+    )
     assert config.pools[0].endpoints[0].url == "http://127.0.0.1:9100"
     assert config.pools[0].endpoints[0].api_key == "s3cret"
 
@@ -66,7 +78,9 @@ def _problems(tmp_path, text: str) -> list[str]:
 
 def test_every_problem_is_reported_with_its_key_path(tmp_path, monkeypatch):
     monkeypatch.delenv("MISSING_KEY", raising=False)
-    problems = _problems(tmp_path, """\
+    problems = _problems(
+        tmp_path,
+        """\
         server:
           prot: 8080
         pools:
@@ -77,7 +91,8 @@ def test_every_problem_is_reported_with_its_key_path(tmp_path, monkeypatch):
                 api_key: ${MISSING_KEY}
           - name: b
             endpoints: []
-        """)
+        """,
+    )
     assert "server.prot: unknown key (did you mean 'port'?)" in problems
     assert any(p.startswith("pools[0].engine:") and "vllm" in p for p in problems)
     assert any(p.startswith("pools[0].endpoints[0].url:") for p in problems)
@@ -86,18 +101,23 @@ def test_every_problem_is_reported_with_its_key_path(tmp_path, monkeypatch):
 
 
 def test_cross_checks_duplicates_and_policies(tmp_path):
-    problems = _problems(tmp_path, """\
+    problems = _problems(
+        tmp_path,
+        """\
         pools:
           - name: a
             policy: fastest
             endpoints: [{url: "http://h:1"}]
           - name: a
             endpoints: [{url: "http://h:1"}]
-        """)
+        """,
+    )
     assert "pools[1].name: duplicate pool name 'a'" in problems
     assert any(p.startswith("pools[0].policy: unknown policy 'fastest'") for p in problems)
-    assert "pools[1].endpoints[0].url: duplicate endpoint, already in pools[0].endpoints[0].url" \
+    assert (
+        "pools[1].endpoints[0].url: duplicate endpoint, already in pools[0].endpoints[0].url"
         in problems
+    )
 
 
 def test_invalid_yaml_names_the_line(tmp_path):

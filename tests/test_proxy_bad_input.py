@@ -13,8 +13,9 @@ CHAT_URL = "/v1/chat/completions"
 MSGS = [{"role": "user", "content": "hi"}]
 
 
-def _assert_openai_error(response: httpx.Response, status: int, param: str | None = None,
-                         inference: bool = True):
+def _assert_openai_error(
+    response: httpx.Response, status: int, param: str | None = None, inference: bool = True
+):
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
@@ -25,35 +26,49 @@ def _assert_openai_error(response: httpx.Response, status: int, param: str | Non
     return error
 
 
-@pytest.mark.parametrize(("path", "body", "param"), [
-    (CHAT_URL, b"{not json", None),
-    (CHAT_URL, b"[1, 2]", None),
-    (CHAT_URL, b'{"messages": []}', "model"),
-    (CHAT_URL, b'{"model": 7, "messages": [{"role": "user", "content": "x"}]}', "model"),
-    (CHAT_URL, b'{"model": "m1"}', "messages"),
-    (CHAT_URL, b'{"model": "m1", "messages": []}', "messages"),
-    (CHAT_URL, b'{"model": "m1", "messages": "hi"}', "messages"),
-    (CHAT_URL, b'{"model": "m1", "messages": ["hi"]}', "messages[0]"),
-    (CHAT_URL, b'{"model": "m1", "messages": [{"content": "hi"}]}', "messages[0].role"),
-    (CHAT_URL, b'{"model": "m1", "messages": [{"role": "user"}], "stream": "yes"}', "stream"),
-    (CHAT_URL, b'{"model": "m1", "messages": [{"role": "user"}], "max_tokens": "9"}',
-     "max_tokens"),
-    (CHAT_URL, b'{"model": "m1", "messages": [{"role": "user"}], "max_tokens": 0}',
-     "max_tokens"),
-    (CHAT_URL, b'{"model": "m1", "messages": [{"role": "user"}], "n": true}', "n"),
-    (CHAT_URL, b'{"model": "m1", "messages": [{"role": "user"}], '
-               b'"stream_options": {"include_usage": true}}', "stream_options"),
-    ("/v1/completions", b'{"model": "m1"}', "prompt"),
-    ("/v1/completions", b'{"model": "m1", "prompt": {"a": 1}}', "prompt"),
-    ("/v1/completions", b'{"model": "m1", "prompt": [1, "a"]}', "prompt"),
-    ("/v1/completions", b'{"model": "m1", "prompt": []}', "prompt"),
-    ("/v1/embeddings", b'{"model": "m1"}', "input"),
-])
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        (CHAT_URL, b"{not json", None),
+        (CHAT_URL, b"[1, 2]", None),
+        (CHAT_URL, b'{"messages": []}', "model"),
+        (CHAT_URL, b'{"model": 7, "messages": [{"role": "user", "content": "x"}]}', "model"),
+        (CHAT_URL, b'{"model": "m1"}', "messages"),
+        (CHAT_URL, b'{"model": "m1", "messages": []}', "messages"),
+        (CHAT_URL, b'{"model": "m1", "messages": "hi"}', "messages"),
+        (CHAT_URL, b'{"model": "m1", "messages": ["hi"]}', "messages[0]"),
+        (CHAT_URL, b'{"model": "m1", "messages": [{"content": "hi"}]}', "messages[0].role"),
+        (CHAT_URL, b'{"model": "m1", "messages": [{"role": "user"}], "stream": "yes"}', "stream"),
+        (
+            CHAT_URL,
+            b'{"model": "m1", "messages": [{"role": "user"}], "max_tokens": "9"}',
+            "max_tokens",
+        ),
+        (
+            CHAT_URL,
+            b'{"model": "m1", "messages": [{"role": "user"}], "max_tokens": 0}',
+            "max_tokens",
+        ),
+        (CHAT_URL, b'{"model": "m1", "messages": [{"role": "user"}], "n": true}', "n"),
+        (
+            CHAT_URL,
+            b'{"model": "m1", "messages": [{"role": "user"}], '
+            b'"stream_options": {"include_usage": true}}',
+            "stream_options",
+        ),
+        ("/v1/completions", b'{"model": "m1"}', "prompt"),
+        ("/v1/completions", b'{"model": "m1", "prompt": {"a": 1}}', "prompt"),
+        ("/v1/completions", b'{"model": "m1", "prompt": [1, "a"]}', "prompt"),
+        ("/v1/completions", b'{"model": "m1", "prompt": []}', "prompt"),
+        ("/v1/embeddings", b'{"model": "m1"}', "input"),
+    ],
+)
 def test_invalid_bodies_are_400_naming_the_field(upstream, gateway, path, body, param):
     engine, _ = upstream
     app, server = gateway
-    response = httpx.post(server.url + path, content=body,
-                          headers={"content-type": "application/json"})
+    response = httpx.post(
+        server.url + path, content=body, headers={"content-type": "application/json"}
+    )
     _assert_openai_error(response, 400, param)
     assert engine.inference_requests == []
     assert app.fleet.endpoints[0].inflight == 0
@@ -61,8 +76,9 @@ def test_invalid_bodies_are_400_naming_the_field(upstream, gateway, path, body, 
 
 def test_body_over_limit_by_content_length_is_413(upstream, start_gateway):
     engine, upstream_server = upstream
-    _, server = start_gateway(gateway_config([upstream_server.url],
-                                               server={"max_body_bytes": 1000}))
+    _, server = start_gateway(
+        gateway_config([upstream_server.url], server={"max_body_bytes": 1000})
+    )
     big = b'{"model": "m1", "messages": [{"role": "user", "content": "' + b"x" * 2000 + b'"}]}'
     response = httpx.post(server.url + CHAT_URL, content=big)
     _assert_openai_error(response, 413)
@@ -71,8 +87,9 @@ def test_body_over_limit_by_content_length_is_413(upstream, start_gateway):
 
 def test_chunked_body_over_limit_is_cut_off_with_413(upstream, start_gateway):
     engine, upstream_server = upstream
-    app, server = start_gateway(gateway_config([upstream_server.url],
-                                               server={"max_body_bytes": 1000}))
+    app, server = start_gateway(
+        gateway_config([upstream_server.url], server={"max_body_bytes": 1000})
+    )
 
     def body():
         yield b'{"model": "m1", "messages": [{"role": "user", "content": "'
@@ -88,11 +105,14 @@ def test_chunked_body_over_limit_is_cut_off_with_413(upstream, start_gateway):
 
 def test_content_length_is_checked_before_the_body_is_sent(upstream, start_gateway):
     engine, upstream_server = upstream
-    _, server = start_gateway(gateway_config([upstream_server.url],
-                                             server={"max_body_bytes": 1000}))
+    _, server = start_gateway(
+        gateway_config([upstream_server.url], server={"max_body_bytes": 1000})
+    )
     with socket.create_connection(("127.0.0.1", server.port), timeout=5) as conn:
-        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                     b"Content-Type: application/json\r\nContent-Length: 50000000\r\n\r\n")
+        conn.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 50000000\r\n\r\n"
+        )
         answer = conn.recv(4096)
     assert answer.startswith(b"HTTP/1.1 413")
     assert engine.inference_requests == []

@@ -14,19 +14,26 @@ CHAT = {"model": "m1", "messages": [{"role": "user", "content": "hi"}]}
 
 def test_hop_by_hop_and_client_credentials_never_reach_the_engine(upstream, start_gateway):
     engine, upstream_server = upstream
-    _, server = start_gateway(gateway_config(
-        [upstream_server.url], pool={"endpoints": [{"url": upstream_server.url,
-                                                    "api_key": "engine-key"}]}))
-    response = httpx.post(server.url + "/v1/chat/completions", json=CHAT, headers={
-        "authorization": "Bearer client-secret",
-        "connection": "keep-alive, x-private-hop",
-        "x-private-hop": "drop me",
-        "keep-alive": "timeout=5",
-        "proxy-authorization": "Basic abc",
-        "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
-        "x-kvgate-tenant": "someone-else",
-        "x-custom": "kept",
-    })
+    _, server = start_gateway(
+        gateway_config(
+            [upstream_server.url],
+            pool={"endpoints": [{"url": upstream_server.url, "api_key": "engine-key"}]},
+        )
+    )
+    response = httpx.post(
+        server.url + "/v1/chat/completions",
+        json=CHAT,
+        headers={
+            "authorization": "Bearer client-secret",
+            "connection": "keep-alive, x-private-hop",
+            "x-private-hop": "drop me",
+            "keep-alive": "timeout=5",
+            "proxy-authorization": "Basic abc",
+            "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            "x-kvgate-tenant": "someone-else",
+            "x-custom": "kept",
+        },
+    )
     assert response.status_code == 200
     seen = engine.inference_requests[0].headers
     assert seen["authorization"] == "Bearer engine-key"
@@ -41,8 +48,9 @@ def test_hop_by_hop_and_client_credentials_never_reach_the_engine(upstream, star
 def test_client_request_id_is_kept_and_returned(upstream, gateway):
     engine, _ = upstream
     _, server = gateway
-    response = httpx.post(server.url + "/v1/chat/completions", json=CHAT,
-                          headers={"x-request-id": "abc-123"})
+    response = httpx.post(
+        server.url + "/v1/chat/completions", json=CHAT, headers={"x-request-id": "abc-123"}
+    )
     assert response.headers["x-request-id"] == "abc-123"
     assert engine.inference_requests[0].headers["x-request-id"] == "abc-123"
     assert response.headers["x-kvgate-endpoint"] == "default-0"
@@ -51,19 +59,35 @@ def test_client_request_id_is_kept_and_returned(upstream, gateway):
 def test_no_authorization_upstream_without_endpoint_key(upstream, gateway):
     engine, _ = upstream
     _, server = gateway
-    httpx.post(server.url + "/v1/chat/completions", json=CHAT,
-               headers={"authorization": "Bearer client-secret"})
+    httpx.post(
+        server.url + "/v1/chat/completions",
+        json=CHAT,
+        headers={"authorization": "Bearer client-secret"},
+    )
     assert "authorization" not in engine.inference_requests[0].headers
 
 
 def test_models_are_the_union_of_healthy_endpoints(start_gateway):
-    a, b, sick = (ScriptedUpstream(("m1", "m2")), ScriptedUpstream(("m3",)),
-                  ScriptedUpstream(("hidden",), healthy=False))
+    a, b, sick = (
+        ScriptedUpstream(("m1", "m2")),
+        ScriptedUpstream(("m3",)),
+        ScriptedUpstream(("hidden",), healthy=False),
+    )
     with ServerThread(a) as sa, ServerThread(b) as sb, ServerThread(sick) as ss:
-        _, server = start_gateway({"server": {"access_log": False}, "pools": [
-            {"name": "p1", "endpoints": [{"url": sa.url}, {"url": ss.url}]},
-            {"name": "p2", "engine": "sglang", "models": ["m4"], "endpoints": [{"url": sb.url}]},
-        ]})
+        _, server = start_gateway(
+            {
+                "server": {"access_log": False},
+                "pools": [
+                    {"name": "p1", "endpoints": [{"url": sa.url}, {"url": ss.url}]},
+                    {
+                        "name": "p2",
+                        "engine": "sglang",
+                        "models": ["m4"],
+                        "endpoints": [{"url": sb.url}],
+                    },
+                ],
+            }
+        )
         listing = httpx.get(server.url + "/v1/models").json()
         assert listing["object"] == "list"
         assert [m["id"] for m in listing["data"]] == ["m1", "m2", "m3", "m4"]
@@ -78,12 +102,16 @@ def test_metrics_count_requests_and_latency(upstream, gateway):
     httpx.post(server.url + "/v1/chat/completions", json={"model": "m1"})
     text = httpx.get(server.url + "/metrics").text
     families = {f.name: f for f in text_string_to_metric_families(text)}
-    requests = {(s.labels["status"], s.labels["model"]): s.value
-                for s in families["kvgate_requests"].samples if s.name.endswith("_total")}
+    requests = {
+        (s.labels["status"], s.labels["model"]): s.value
+        for s in families["kvgate_requests"].samples
+        if s.name.endswith("_total")
+    }
     assert requests[("200", "m1")] == 1
     assert requests[("400", "_unknown")] == 1
-    durations = [s for s in families["kvgate_request_duration_seconds"].samples
-                 if s.name.endswith("_count")]
+    durations = [
+        s for s in families["kvgate_request_duration_seconds"].samples if s.name.endswith("_count")
+    ]
     assert sum(s.value for s in durations) == 1
     inflight = [s.value for s in families["kvgate_endpoint_inflight_requests"].samples]
     assert inflight == [0]

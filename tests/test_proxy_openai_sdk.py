@@ -26,7 +26,10 @@ def test_non_streaming_chat_completions_and_embeddings(upstream, gateway):
     embedding = client.embeddings.create(model="m1", input="x")
     assert embedding.data[0].embedding == [0.1, 0.2]
     assert [r.path for r in engine.inference_requests] == [
-        "/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/embeddings",
+    ]
 
 
 def test_streaming_chat_with_usage(upstream, gateway):
@@ -34,8 +37,11 @@ def test_streaming_chat_with_usage(upstream, gateway):
     engine.script.chunks = 4
     _, server = gateway
     stream = _client(server).chat.completions.create(
-        model="m1", messages=[{"role": "user", "content": "hi"}], stream=True,
-        stream_options={"include_usage": True})
+        model="m1",
+        messages=[{"role": "user", "content": "hi"}],
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == "tok0 tok1 tok2 tok3 "
@@ -53,11 +59,13 @@ async def test_async_client_streams(upstream, gateway):
     _, server = gateway
     client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="k", max_retries=0)
     stream = await client.chat.completions.create(
-        model="m1", messages=[{"role": "user", "content": "hi"}], stream=True)
+        model="m1", messages=[{"role": "user", "content": "hi"}], stream=True
+    )
     contents = [c.choices[0].delta.content async for c in stream]
     assert contents == ["tok0 ", "tok1 ", "tok2 "]
     result = await client.chat.completions.create(
-        model="m1", messages=[{"role": "user", "content": "hi"}])
+        model="m1", messages=[{"role": "user", "content": "hi"}]
+    )
     assert result.choices[0].message.content == "hello"
     await client.close()
 
@@ -67,31 +75,64 @@ def test_unknown_model_is_typed_not_found(upstream, gateway):
     _, server = gateway
     with pytest.raises(openai.NotFoundError) as info:
         _client(server).chat.completions.create(
-            model="gpt-secret", messages=[{"role": "user", "content": "hi"}])
+            model="gpt-secret", messages=[{"role": "user", "content": "hi"}]
+        )
     assert info.value.body["code"] == "model_not_found"
     assert "127.0.0.1" not in info.value.message
     assert engine.inference_requests == []
 
 
 @pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize(("status", "body", "exc"), [
-    (400, {"error": {"message": "This model's maximum context length is 10 tokens",
-                     "type": "BadRequestError", "param": None, "code": 400}},
-     openai.BadRequestError),
-    (400, {"object": "error", "message": "flat shape: too long", "type": "BadRequestError",
-           "param": None, "code": 400}, openai.BadRequestError),
-    (503, {"object": "error", "message": "queue full", "type": "ServiceUnavailable",
-           "param": None, "code": 503}, openai.InternalServerError),
-])
+@pytest.mark.parametrize(
+    ("status", "body", "exc"),
+    [
+        (
+            400,
+            {
+                "error": {
+                    "message": "This model's maximum context length is 10 tokens",
+                    "type": "BadRequestError",
+                    "param": None,
+                    "code": 400,
+                }
+            },
+            openai.BadRequestError,
+        ),
+        (
+            400,
+            {
+                "object": "error",
+                "message": "flat shape: too long",
+                "type": "BadRequestError",
+                "param": None,
+                "code": 400,
+            },
+            openai.BadRequestError,
+        ),
+        (
+            503,
+            {
+                "object": "error",
+                "message": "queue full",
+                "type": "ServiceUnavailable",
+                "param": None,
+                "code": 503,
+            },
+            openai.InternalServerError,
+        ),
+    ],
+)
 def test_upstream_errors_in_either_shape_become_typed_sdk_errors(
-        upstream, gateway, status, body, exc, stream):
+    upstream, gateway, status, body, exc, stream
+):
     engine, _ = upstream
     engine.script.status = status
     engine.script.error_body = orjson.dumps(body)
     _, server = gateway
     with pytest.raises(exc) as info:
         _client(server).chat.completions.create(
-            model="m1", messages=[{"role": "user", "content": "hi"}], stream=stream)
+            model="m1", messages=[{"role": "user", "content": "hi"}], stream=stream
+        )
     assert info.value.status_code == status
     assert info.value.body["message"] == body.get("message", body.get("error", {}).get("message"))
     assert set(info.value.body) == {"message", "type", "param", "code"}
@@ -103,8 +144,7 @@ def test_round_robin_over_endpoints_serving_the_model(start_gateway):
 
     engines = [ScriptedUpstream(), ScriptedUpstream()]
     with ServerThread(engines[0]) as a, ServerThread(engines[1]) as b:
-        _, server = start_gateway(gateway_config([a.url, b.url],
-                                                 pool={"policy": "round_robin"}))
+        _, server = start_gateway(gateway_config([a.url, b.url], pool={"policy": "round_robin"}))
         client = _client(server)
         for _ in range(6):
             client.chat.completions.create(model="m1", messages=[{"role": "user", "content": "x"}])

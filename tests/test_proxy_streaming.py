@@ -51,8 +51,7 @@ def test_client_disconnect_while_waiting_for_unary_answer_aborts_upstream(upstre
     engine.script.headers_delay = 30
     app, server = gateway
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/chat/completions", timeout=0.3,
-                   json={**CHAT, "stream": False})
+        httpx.post(server.url + "/v1/chat/completions", timeout=0.3, json={**CHAT, "stream": False})
     assert engine.disconnected.wait(timeout=2)
     _wait_for(lambda: app.fleet.endpoints[0].inflight == 0)
 
@@ -64,8 +63,10 @@ def test_failure_before_first_event_is_a_clean_error_response(upstream, gateway)
     response = httpx.post(server.url + "/v1/chat/completions", json=CHAT)
     assert response.status_code == 502
     assert response.headers["content-type"] == "application/json"
-    assert response.json()["error"]["code"] in ("upstream_stream_truncated",
-                                                "upstream_connection_lost")
+    assert response.json()["error"]["code"] in (
+        "upstream_stream_truncated",
+        "upstream_connection_lost",
+    )
 
 
 def test_failure_after_commit_ends_stream_with_error_event_not_done(upstream, gateway):
@@ -85,8 +86,7 @@ def test_failure_after_commit_ends_stream_with_error_event_not_done(upstream, ga
 def test_first_token_timeout(upstream, start_gateway):
     engine, server_thread = upstream
     engine.script.headers_delay = 5
-    _, server = start_gateway(gateway_config([server_thread.url],
-                                             timeouts={"first_token": 0.3}))
+    _, server = start_gateway(gateway_config([server_thread.url], timeouts={"first_token": 0.3}))
     started = time.monotonic()
     response = httpx.post(server.url + "/v1/chat/completions", json=CHAT)
     assert response.status_code == 504

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.upstream.sse import SseProtocolError, SseScanner
+from kvgate.upstream.sse import SseProtocolError, SseScanner
 
 STREAM = (
     b'data: {"id":"1","choices":[{"delta":{"content":"a"}}]}\n\n'
@@ -19,7 +19,7 @@ STREAM = (
 def test_any_chunking_gives_the_same_reading(size):
     scanner = SseScanner()
     for i in range(0, len(STREAM), size):
-        scanner.feed(STREAM[i:i + size])
+        scanner.feed(STREAM[i : i + size])
     assert scanner.data_events == 4
     assert scanner.done and scanner.terminated
     assert scanner.error is None
@@ -32,10 +32,13 @@ def test_comment_alone_is_not_an_event():
     assert scanner.data_events == 0 and not scanner.terminated
 
 
-@pytest.mark.parametrize("event", [
-    b'data: {"error": {"message": "boom", "type": "x", "param": null, "code": 500}}\r\n\r\n',
-    b'data: {"object": "error", "message": "boom", "code": 500}\n\n',
-])
+@pytest.mark.parametrize(
+    "event",
+    [
+        b'data: {"error": {"message": "boom", "type": "x", "param": null, "code": 500}}\r\n\r\n',
+        b'data: {"object": "error", "message": "boom", "code": 500}\n\n',
+    ],
+)
 def test_error_events_in_either_shape_terminate(event):
     scanner = SseScanner()
     scanner.feed(event)

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from gateway.upstream.headers import request_id_from, upstream_headers
+from kvgate.upstream.headers import request_id_from, upstream_headers
 
 
 def test_request_id_kept_when_sane_and_generated_otherwise():
@@ -11,11 +11,28 @@ def test_request_id_kept_when_sane_and_generated_otherwise():
 
 
 def test_forwarded_set():
-    out = dict(upstream_headers([
-        (b"host", b"gw"), (b"content-length", b"10"), (b"connection", b"close, X-Hop"),
-        (b"x-hop", b"1"), (b"te", b"trailers"), (b"authorization", b"Bearer client"),
-        (b"x-kvgate-priority", b"0"), (b"traceparent", b"00-abc"), (b"user-agent", b"sdk"),
-        (b"accept-encoding", b"gzip"),
-    ], "rid", b"Bearer engine"))
-    assert out == {b"traceparent": b"00-abc", b"user-agent": b"sdk", b"x-request-id": b"rid",
-                   b"accept-encoding": b"identity", b"authorization": b"Bearer engine"}
+    out = dict(
+        upstream_headers(
+            [
+                (b"host", b"gw"),
+                (b"content-length", b"10"),
+                (b"connection", b"close, X-Hop"),
+                (b"x-hop", b"1"),
+                (b"te", b"trailers"),
+                (b"authorization", b"Bearer client"),
+                (b"x-kvgate-priority", b"0"),
+                (b"traceparent", b"00-abc"),
+                (b"user-agent", b"sdk"),
+                (b"accept-encoding", b"gzip"),
+            ],
+            "rid",
+            b"Bearer engine",
+        )
+    )
+    assert out == {
+        b"traceparent": b"00-abc",
+        b"user-agent": b"sdk",
+        b"x-request-id": b"rid",
+        b"accept-encoding": b"identity",
+        b"authorization": b"Bearer engine",
+    }

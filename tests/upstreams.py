@@ -54,8 +54,11 @@ class ScriptedUpstream:
         if scope["type"] == "lifespan":
             while True:
                 message = await receive()
-                done = message["type"].replace(".startup", ".startup.complete").replace(
-                    ".shutdown", ".shutdown.complete")
+                done = (
+                    message["type"]
+                    .replace(".startup", ".startup.complete")
+                    .replace(".shutdown", ".shutdown.complete")
+                )
                 await send({"type": done})
                 if message["type"] == "lifespan.shutdown":
                     return
@@ -98,55 +101,117 @@ class ScriptedUpstream:
         await asyncio.sleep(script.headers_delay)
         if script.status != 200:
             body = script.error_body or orjson.dumps(
-                {"error": {"message": "scripted failure", "type": "BadRequestError",
-                           "param": None, "code": script.status}})
+                {
+                    "error": {
+                        "message": "scripted failure",
+                        "type": "BadRequestError",
+                        "param": None,
+                        "code": script.status,
+                    }
+                }
+            )
             await _reply(send, script.status, body, script.extra_headers)
             return
         if not payload.get("stream"):
             await _reply(send, 200, orjson.dumps(_completion(payload)), script.extra_headers)
             return
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", script.content_type), *script.extra_headers]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", script.content_type), *script.extra_headers],
+            }
+        )
         for i in range(script.chunks):
             if script.close_after_chunks is not None and i == script.close_after_chunks:
                 raise RuntimeError("scripted mid-stream crash")
             if i and script.gap:
                 await asyncio.sleep(script.gap)
-            chunk = {"id": "cmpl-1", "object": "chat.completion.chunk", "created": 1,
-                     "model": payload.get("model"),
-                     "choices": [{"index": 0, "delta": {"content": f"tok{i} "},
-                                  "finish_reason": "stop" if i == script.chunks - 1 else None}]}
-            await send({"type": "http.response.body", "more_body": True,
-                        "body": b"data: " + orjson.dumps(chunk) + b"\n\n"})
+            chunk = {
+                "id": "cmpl-1",
+                "object": "chat.completion.chunk",
+                "created": 1,
+                "model": payload.get("model"),
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {"content": f"tok{i} "},
+                        "finish_reason": "stop" if i == script.chunks - 1 else None,
+                    }
+                ],
+            }
+            await send(
+                {
+                    "type": "http.response.body",
+                    "more_body": True,
+                    "body": b"data: " + orjson.dumps(chunk) + b"\n\n",
+                }
+            )
         if (payload.get("stream_options") or {}).get("include_usage"):
-            usage = {"id": "cmpl-1", "object": "chat.completion.chunk", "created": 1,
-                     "model": payload.get("model"), "choices": [],
-                     "usage": {"prompt_tokens": 5, "completion_tokens": script.chunks,
-                               "total_tokens": 5 + script.chunks}}
-            await send({"type": "http.response.body", "more_body": True,
-                        "body": b"data: " + orjson.dumps(usage) + b"\n\n"})
+            usage = {
+                "id": "cmpl-1",
+                "object": "chat.completion.chunk",
+                "created": 1,
+                "model": payload.get("model"),
+                "choices": [],
+                "usage": {
+                    "prompt_tokens": 5,
+                    "completion_tokens": script.chunks,
+                    "total_tokens": 5 + script.chunks,
+                },
+            }
+            await send(
+                {
+                    "type": "http.response.body",
+                    "more_body": True,
+                    "body": b"data: " + orjson.dumps(usage) + b"\n\n",
+                }
+            )
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
 
 
 def _completion(payload: dict[str, Any]) -> dict[str, Any]:
     if "input" in payload:
-        return {"object": "list", "model": payload["model"],
-                "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2]}],
-                "usage": {"prompt_tokens": 2, "total_tokens": 2}}
+        return {
+            "object": "list",
+            "model": payload["model"],
+            "data": [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2]}],
+            "usage": {"prompt_tokens": 2, "total_tokens": 2},
+        }
     usage = {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}
     if "prompt" in payload:
-        return {"id": "cmpl-1", "object": "text_completion", "created": 1,
-                "model": payload["model"],
-                "choices": [{"index": 0, "text": "hello", "finish_reason": "stop",
-                             "logprobs": None}], "usage": usage}
-    return {"id": "chatcmpl-1", "object": "chat.completion", "created": 1,
+        return {
+            "id": "cmpl-1",
+            "object": "text_completion",
+            "created": 1,
             "model": payload["model"],
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "hello"},
-                         "finish_reason": "stop"}], "usage": usage}
+            "choices": [{"index": 0, "text": "hello", "finish_reason": "stop", "logprobs": None}],
+            "usage": usage,
+        }
+    return {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "created": 1,
+        "model": payload["model"],
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "hello"},
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": usage,
+    }
 
 
-async def _reply(send: Any, status: int, body: bytes,
-                 headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), *(headers or [])]})
+async def _reply(
+    send: Any, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), *(headers or [])],
+        }
+    )
     await send({"type": "http.response.body", "body": body})

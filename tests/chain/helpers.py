@@ -6,7 +6,7 @@ from typing import Any
 
 import httpx
 
-from gateway.chain.keys import new_key
+from kvgate.chain.keys import new_key
 
 
 def make_key(key_id: str) -> tuple[str, dict[str, str]]:
@@ -15,13 +15,18 @@ def make_key(key_id: str) -> tuple[str, dict[str, str]]:
     return key, {"id": key_id, "sha256": digest}
 
 
-def tenant(name: str, tier: str, key_entries: list[dict[str, Any]], **extra: Any
-           ) -> dict[str, Any]:
+def tenant(name: str, tier: str, key_entries: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
     return {"name": name, "tier": tier, "keys": key_entries, **extra}
 
 
-def chat(url: str, key: str | None, model: str = "m1", headers: dict[str, str] | None = None,
-         timeout: float = 10, **body: Any) -> httpx.Response:
+def chat(
+    url: str,
+    key: str | None,
+    model: str = "m1",
+    headers: dict[str, str] | None = None,
+    timeout: float = 10,
+    **body: Any,
+) -> httpx.Response:
     sent = dict(headers or {})
     if key is not None:
         sent["authorization"] = f"Bearer {key}"
@@ -34,9 +39,12 @@ def admission_state(app: Any, server: Any) -> dict[str, Any]:
 
     async def read() -> dict[str, Any]:
         admission = app.admission
-        return {"active": sum(admission.active.values()), "queued": len(admission.queue),
-                "queued_by_tenant": sum(admission.queued.values()),
-                "reservations": admission.quotas.outstanding()}
+        return {
+            "active": sum(admission.active.values()),
+            "queued": len(admission.queue),
+            "queued_by_tenant": sum(admission.queued.values()),
+            "reservations": admission.quotas.outstanding(),
+        }
 
     return server.call(read())
 

@@ -10,23 +10,29 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.chain.queues import AdmissionQueue, Waiter
-from gateway.chain.settings import DEFAULT_TIERS, TenantConfig
-from gateway.chain.tenants import build_tenant
-from gateway.types import RequestContext
+from kvgate.chain.queues import AdmissionQueue, Waiter
+from kvgate.chain.settings import DEFAULT_TIERS, TenantConfig
+from kvgate.chain.tenants import build_tenant
+from kvgate.types import RequestContext
 from tests.chain.helpers import IDLE, admission_state, make_key, tenant
 from tests.conftest import gateway_config
 
-LANES = {"rules": [
-    {"name": "batch", "when": {"headers": {"x-lane": "batch"}}, "then": {"class": "batch"}},
-    {"name": "fast", "when": {"headers": {"x-lane": "fast"}}, "then": {"class": "interactive"}},
-]}
+LANES = {
+    "rules": [
+        {"name": "batch", "when": {"headers": {"x-lane": "batch"}}, "then": {"class": "batch"}},
+        {"name": "fast", "when": {"headers": {"x-lane": "fast"}}, "then": {"class": "interactive"}},
+    ]
+}
 
 
 def _saturating_config(url: str, **overrides: Any) -> dict[str, Any]:
     """One endpoint that takes one request at a time: everything else waits in the gateway."""
-    config = gateway_config([url], pool={"models": ["m1"], "endpoints": [
-        {"url": url, "max_inflight": 1}]}, auth="none", classification=LANES)
+    config = gateway_config(
+        [url],
+        pool={"models": ["m1"], "endpoints": [{"url": url, "max_inflight": 1}]},
+        auth="none",
+        classification=LANES,
+    )
     config.update(overrides)
     return config
 
@@ -54,9 +60,12 @@ def test_waiting_requests_run_in_class_order(upstream, start_gateway):
 
     async def scenario() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=20) as client:
+
             def post(tag: str, lane: str) -> asyncio.Task[httpx.Response]:
-                return asyncio.ensure_future(client.post(url, json=_body(tag),
-                                                         headers={"x-lane": lane}))
+                return asyncio.ensure_future(
+                    client.post(url, json=_body(tag), headers={"x-lane": lane})
+                )
+
             hold = post("hold", "batch")
             await _until(lambda: len(engine.inference_requests) == 1)
             batch = post("batch", "batch")
@@ -104,9 +113,12 @@ def test_full_queue_sheds_the_lowest_class_first(upstream, start_gateway):
 
     async def scenario() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=20) as client:
+
             def post(tag: str, lane: str) -> asyncio.Task[httpx.Response]:
-                return asyncio.ensure_future(client.post(url, json=_body(tag),
-                                                         headers={"x-lane": lane}))
+                return asyncio.ensure_future(
+                    client.post(url, json=_body(tag), headers={"x-lane": lane})
+                )
+
             hold = post("hold", "fast")
             await _until(lambda: len(engine.inference_requests) == 1)
             batch = post("batch", "batch")
@@ -134,8 +146,9 @@ def test_queue_wait_limit_and_unmeetable_deadline_are_503(upstream, start_gatewa
     engine, up = upstream
     engine.script.chunks, engine.script.gap = 4, 0.3
     classification = {**LANES, "classes": {"batch": {"deadline": 60, "max_queue_wait": 0.2}}}
-    app, server = start_gateway(_saturating_config(
-        up.url, classification=classification, admission={"initial_ttft": 5}))
+    app, server = start_gateway(
+        _saturating_config(up.url, classification=classification, admission={"initial_ttft": 5})
+    )
     url = server.url + "/v1/chat/completions"
 
     async def scenario() -> tuple[httpx.Response, httpx.Response]:
@@ -143,8 +156,9 @@ def test_queue_wait_limit_and_unmeetable_deadline_are_503(upstream, start_gatewa
             hold = asyncio.ensure_future(client.post(url, json=_body("hold")))
             await _until(lambda: len(engine.inference_requests) == 1)
             timed_out = await client.post(url, json=_body("slow"), headers={"x-lane": "batch"})
-            unmeetable = await client.post(url, json=_body("tight"),
-                                           headers={"x-kvgate-deadline": "3"})
+            unmeetable = await client.post(
+                url, json=_body("tight"), headers={"x-kvgate-deadline": "3"}
+            )
             await hold
             return timed_out, unmeetable
 
@@ -163,17 +177,28 @@ B_KEY, B_ENTRY = make_key("b-1")
 def test_tenant_concurrency_cap_waits_without_blocking_others(upstream, start_gateway):
     engine, up = upstream
     engine.script.chunks, engine.script.gap = 4, 0.15
-    app, server = start_gateway(gateway_config([up.url], pool={"models": ["m1"]}, auth={
-        "tenants": [tenant("a", "silver", [A_ENTRY], limits={"max_concurrent": 1}),
-                    tenant("b", "silver", [B_ENTRY],
-                           limits={"max_concurrent": 1, "max_queued": 0})]}))
+    app, server = start_gateway(
+        gateway_config(
+            [up.url],
+            pool={"models": ["m1"]},
+            auth={
+                "tenants": [
+                    tenant("a", "silver", [A_ENTRY], limits={"max_concurrent": 1}),
+                    tenant("b", "silver", [B_ENTRY], limits={"max_concurrent": 1, "max_queued": 0}),
+                ]
+            },
+        )
+    )
     url = server.url + "/v1/chat/completions"
 
     async def scenario() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=20) as client:
+
             def post(key: str, tag: str) -> asyncio.Task[httpx.Response]:
-                return asyncio.ensure_future(client.post(
-                    url, json=_body(tag), headers={"authorization": f"Bearer {key}"}))
+                return asyncio.ensure_future(
+                    client.post(url, json=_body(tag), headers={"authorization": f"Bearer {key}"})
+                )
+
             first_a = post(A_KEY, "a1")
             await _until(lambda: len(engine.inference_requests) == 1)
             second_a = post(A_KEY, "a2")
@@ -193,12 +218,26 @@ def test_tenant_concurrency_cap_waits_without_blocking_others(upstream, start_ga
 # --- the queue alone ------------------------------------------------------------------------
 
 
-def _waiter(loop: asyncio.AbstractEventLoop, tier: str, name: str, rank: int = 2,
-            deadline: float = 100.0, boost: float = 0.0) -> Waiter:
+def _waiter(
+    loop: asyncio.AbstractEventLoop,
+    tier: str,
+    name: str,
+    rank: int = 2,
+    deadline: float = 100.0,
+    boost: float = 0.0,
+) -> Waiter:
     tenant_ = build_tenant(TenantConfig(name=name, tier=tier), DEFAULT_TIERS[tier], None)
     ctx = RequestContext(name, "chat", "/v1/chat/completions", [], b"", {}, "m1", False)
-    return Waiter(ctx=ctx, tenant=tenant_, key=("m1", None), rank=rank, deadline=deadline,
-                  boost=boost, enqueued=0.0, future=loop.create_future())
+    return Waiter(
+        ctx=ctx,
+        tenant=tenant_,
+        key=("m1", None),
+        rank=rank,
+        deadline=deadline,
+        boost=boost,
+        enqueued=0.0,
+        future=loop.create_future(),
+    )
 
 
 async def test_weighted_fair_between_tenants_of_a_class():
@@ -207,8 +246,7 @@ async def test_weighted_fair_between_tenants_of_a_class():
     for i in range(20):
         queue.push(_waiter(loop, "gold", "g", deadline=i))
         queue.push(_waiter(loop, "bronze", "b", deadline=i))
-    served = [queue.pop_next(("m1", None), range(3), lambda t: True).tenant.name
-              for _ in range(10)]
+    served = [queue.pop_next(("m1", None), range(3), lambda t: True).tenant.name for _ in range(10)]
     assert served.count("g") == 8 and served.count("b") == 2  # weights 4 : 1
     assert len(queue) == 30
 
@@ -244,9 +282,11 @@ async def test_removed_waiters_are_skipped_and_shed_order():
 @pytest.mark.parametrize("lane", ["fast", "batch"])
 def test_unsaturated_requests_do_not_wait(upstream, start_gateway, lane):
     _, up = upstream
-    app, server = start_gateway(gateway_config([up.url], auth="none", classification=LANES,
-                                               pool={"models": ["m1"]}))
-    response = httpx.post(server.url + "/v1/chat/completions", json=_body("x", stream=False),
-                          headers={"x-lane": lane})
+    app, server = start_gateway(
+        gateway_config([up.url], auth="none", classification=LANES, pool={"models": ["m1"]})
+    )
+    response = httpx.post(
+        server.url + "/v1/chat/completions", json=_body("x", stream=False), headers={"x-lane": lane}
+    )
     assert response.status_code == 200
     assert admission_state(app, server) == IDLE

@@ -13,11 +13,11 @@ import httpx
 import openai
 import pytest
 
-from gateway.chain.auth import Authenticator
-from gateway.chain.settings import AuthConfig
-from gateway.chain.tenants import TenantDirectory
-from gateway.cli import main
-from gateway.errors import AuthenticationFailed
+from kvgate.chain.auth import Authenticator
+from kvgate.chain.settings import AuthConfig
+from kvgate.chain.tenants import TenantDirectory
+from kvgate.cli import main
+from kvgate.errors import AuthenticationFailed
 from tests.chain.helpers import chat, make_key, tenant
 from tests.conftest import gateway_config
 from tests.sdk_clients import sdk_client
@@ -36,29 +36,36 @@ def _wrong_secret() -> str:
 
 
 def _auth() -> dict:
-    return {"tenants": [
-        tenant("acme", "gold", [GOOD_ENTRY, {**REVOKED_ENTRY, "revoked": True}]),
-        tenant("narrow", "bronze", [LIMITED_ENTRY], models=["other-*"]),
-    ], "admin_keys": [ADMIN_ENTRY]}
+    return {
+        "tenants": [
+            tenant("acme", "gold", [GOOD_ENTRY, {**REVOKED_ENTRY, "revoked": True}]),
+            tenant("narrow", "bronze", [LIMITED_ENTRY], models=["other-*"]),
+        ],
+        "admin_keys": [ADMIN_ENTRY],
+    }
 
 
 @pytest.fixture
 def keyed(upstream, start_gateway):
-    _, server = start_gateway(gateway_config([upstream[1].url], auth=_auth(),
-                                             pool={"models": ["m1"]}))
+    _, server = start_gateway(
+        gateway_config([upstream[1].url], auth=_auth(), pool={"models": ["m1"]})
+    )
     return server
 
 
-@pytest.mark.parametrize(("authorization", "code"), [
-    (None, "missing_api_key"),
-    ("Basic dXNlcjpwYXNz", "invalid_api_key"),
-    ("Bearer", "invalid_api_key"),
-    ("Bearer no-dot-here", "invalid_api_key"),
-    ("Bearer bad id!.secret", "invalid_api_key"),
-    ("Bearer nobody-1." + GOOD.partition(".")[2], "invalid_api_key"),
-    ("Bearer acme-1.wrong-secret", "invalid_api_key"),
-    ("Bearer " + REVOKED, "revoked_api_key"),
-])
+@pytest.mark.parametrize(
+    ("authorization", "code"),
+    [
+        (None, "missing_api_key"),
+        ("Basic dXNlcjpwYXNz", "invalid_api_key"),
+        ("Bearer", "invalid_api_key"),
+        ("Bearer no-dot-here", "invalid_api_key"),
+        ("Bearer bad id!.secret", "invalid_api_key"),
+        ("Bearer nobody-1." + GOOD.partition(".")[2], "invalid_api_key"),
+        ("Bearer acme-1.wrong-secret", "invalid_api_key"),
+        ("Bearer " + REVOKED, "revoked_api_key"),
+    ],
+)
 def test_bad_keys_are_401_and_reach_no_engine(upstream, keyed, authorization, code):
     engine, _ = upstream
     headers = {"authorization": authorization} if authorization else {}
@@ -78,8 +85,9 @@ def test_unknown_id_and_wrong_secret_get_the_same_answer(keyed):
 def test_good_key_works_with_the_sdk_and_bearer_is_not_forwarded(upstream, keyed):
     engine, _ = upstream
     client = sdk_client(base_url=keyed.url + "/v1", api_key=GOOD, max_retries=0)
-    answer = client.chat.completions.create(model="m1", messages=[{"role": "user",
-                                                                   "content": "hi"}])
+    answer = client.chat.completions.create(
+        model="m1", messages=[{"role": "user", "content": "hi"}]
+    )
     assert answer.choices[0].message.content == "hello"
     assert "authorization" not in engine.inference_requests[0].headers
     wrong = sdk_client(base_url=keyed.url + "/v1", api_key="acme-1.nope", max_retries=0)
@@ -123,8 +131,10 @@ def test_unknown_id_and_wrong_secret_take_the_same_time():
     directory = TenantDirectory(AuthConfig.model_validate(_auth()), {})
     authenticator = Authenticator(directory)
     secret = GOOD.partition(".")[2]
-    cases = {"unknown": [(b"authorization", f"Bearer nobody-9.{secret}".encode())],
-             "wrong": [(b"authorization", f"Bearer acme-1.{_wrong_secret()}".encode())]}
+    cases = {
+        "unknown": [(b"authorization", f"Bearer nobody-9.{secret}".encode())],
+        "wrong": [(b"authorization", f"Bearer acme-1.{_wrong_secret()}".encode())],
+    }
     timings: dict[str, list[float]] = {"unknown": [], "wrong": []}
     for _ in range(3000):
         for name, headers in cases.items():
@@ -139,14 +149,28 @@ def test_unknown_id_and_wrong_secret_take_the_same_time():
 def test_keys_new_prints_a_key_whose_hash_is_the_config_line(capsys):
     assert main(["keys", "new", "--tenant", "acme"]) == 0
     out = capsys.readouterr().out
-    key = next(line.strip() for line in out.splitlines() if "." in line and "acme-" in line
-               and "sha256" not in line)
+    key = next(
+        line.strip()
+        for line in out.splitlines()
+        if "." in line and "acme-" in line and "sha256" not in line
+    )
     key_id, _, secret = key.partition(".")
     assert key_id.startswith("acme-") and len(secret) >= 43
     assert hashlib.sha256(secret.encode()).hexdigest() in out
-    directory = TenantDirectory(AuthConfig.model_validate({"tenants": [tenant(
-        "acme", "gold", [{"id": key_id, "sha256": hashlib.sha256(secret.encode()).hexdigest()}])]
-    }), {})
+    directory = TenantDirectory(
+        AuthConfig.model_validate(
+            {
+                "tenants": [
+                    tenant(
+                        "acme",
+                        "gold",
+                        [{"id": key_id, "sha256": hashlib.sha256(secret.encode()).hexdigest()}],
+                    )
+                ]
+            }
+        ),
+        {},
+    )
     record = Authenticator(directory).verify([(b"authorization", f"Bearer {key}".encode())])
     assert record.tenant is not None and record.tenant.name == "acme"
 
@@ -161,12 +185,15 @@ def test_missing_auth_warns_loudly_and_auth_none_does_not(upstream, start_gatewa
     assert chat(server.url, "anything-at-all").status_code == 200
 
 
-@pytest.mark.parametrize(("admin_key", "status", "explained"), [
-    (None, 200, False),          # explain asked without an admin key: answered, not explained
-    (ADMIN, 200, True),
-    ("ops-1.wrong", 401, False),  # a credential that is sent is checked
-    (GOOD, 403, False),           # a tenant key is not an admin key
-])
+@pytest.mark.parametrize(
+    ("admin_key", "status", "explained"),
+    [
+        (None, 200, False),  # explain asked without an admin key: answered, not explained
+        (ADMIN, 200, True),
+        ("ops-1.wrong", 401, False),  # a credential that is sent is checked
+        (GOOD, 403, False),  # a tenant key is not an admin key
+    ],
+)
 def test_explain_needs_an_admin_key(upstream, keyed, admin_key, status, explained):
     engine, _ = upstream
     headers = {"x-kvgate-explain": "1"}
@@ -180,17 +207,21 @@ def test_explain_needs_an_admin_key(upstream, keyed, admin_key, status, explaine
         assert "x-kvgate-admin-key" not in engine.inference_requests[0].headers
 
 
-def test_access_log_names_tenant_key_and_endpoint_never_secret_or_prompt(upstream,
-                                                                          start_gateway,
-                                                                          caplog):
-    _, server = start_gateway(gateway_config([upstream[1].url], auth=_auth(),
-                                             pool={"models": ["m1"]},
-                                             server={"access_log": True}))
+def test_access_log_names_tenant_key_and_endpoint_never_secret_or_prompt(
+    upstream, start_gateway, caplog
+):
+    _, server = start_gateway(
+        gateway_config(
+            [upstream[1].url], auth=_auth(), pool={"models": ["m1"]}, server={"access_log": True}
+        )
+    )
     with caplog.at_level(logging.INFO, logger="kvgate.access"):
-        response = httpx.post(server.url + "/v1/chat/completions", timeout=10,
-                              headers={"authorization": f"Bearer {GOOD}"},
-                              json={"model": "m1", "messages": [
-                                  {"role": "user", "content": "my private prompt"}]})
+        response = httpx.post(
+            server.url + "/v1/chat/completions",
+            timeout=10,
+            headers={"authorization": f"Bearer {GOOD}"},
+            json={"model": "m1", "messages": [{"role": "user", "content": "my private prompt"}]},
+        )
         assert response.status_code == 200
         deadline = time.monotonic() + 5
         while not any(r.name == "kvgate.access" for r in caplog.records):

@@ -7,22 +7,31 @@ from typing import Any
 
 import pytest
 
-from gateway.chain.classify import Classifier
-from gateway.chain.settings import ClassificationConfig, TenantConfig
-from gateway.chain.tenants import DEFAULT_TIERS, build_tenant
-from gateway.errors import InvalidRequest
-from gateway.types import RequestContext
+from kvgate.chain.classify import Classifier
+from kvgate.chain.settings import ClassificationConfig, TenantConfig
+from kvgate.chain.tenants import DEFAULT_TIERS, build_tenant
+from kvgate.errors import InvalidRequest
+from kvgate.types import RequestContext
 
 RULES: list[dict[str, Any]] = [
     {"name": "tools", "when": {"tools": True}, "then": {"class": "interactive"}},
-    {"name": "big", "when": {"prompt_tokens_at_least": 1000}, "then": {"class": "batch",
-                                                                      "deadline": 900}},
+    {
+        "name": "big",
+        "when": {"prompt_tokens_at_least": 1000},
+        "then": {"class": "batch", "deadline": 900},
+    },
     {"name": "nightly", "when": {"headers": {"X-Job": "nightly"}}, "then": {"class": "batch"}},
     {"name": "embed", "when": {"route": "embeddings"}, "then": {"class": "batch"}},
-    {"name": "llama-stream", "when": {"model": "llama-*", "stream": True},
-     "then": {"class": "interactive"}},
-    {"name": "summaries", "when": {"keywords": ["Summarize", "tl;dr"]},
-     "then": {"class": "standard", "deadline": 30}},
+    {
+        "name": "llama-stream",
+        "when": {"model": "llama-*", "stream": True},
+        "then": {"class": "interactive"},
+    },
+    {
+        "name": "summaries",
+        "when": {"keywords": ["Summarize", "tl;dr"]},
+        "then": {"class": "standard", "deadline": 30},
+    },
     {"name": "eu-only", "when": {"regex": r"\bGDPR\b"}, "then": {"residency": ["eu"]}},
 ]
 
@@ -35,36 +44,56 @@ def _tenant(tier: str = "gold", **extra: Any):
     return build_tenant(TenantConfig(name="t", tier=tier, **extra), DEFAULT_TIERS[tier], None)
 
 
-def _ctx(payload: dict[str, Any] | None = None, route: str = "chat",
-         headers: dict[str, str] | None = None, model: str = "m1") -> RequestContext:
+def _ctx(
+    payload: dict[str, Any] | None = None,
+    route: str = "chat",
+    headers: dict[str, str] | None = None,
+    model: str = "m1",
+) -> RequestContext:
     payload = payload or {"model": model, "messages": [{"role": "user", "content": "hi"}]}
-    return RequestContext("r", route, "/v1/x",
-                          [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()],
-                          b"", payload, model, bool(payload.get("stream")))
+    return RequestContext(
+        "r",
+        route,
+        "/v1/x",
+        [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()],
+        b"",
+        payload,
+        model,
+        bool(payload.get("stream")),
+    )
 
 
 def _chat(content: str, **extra: Any) -> dict[str, Any]:
-    return {"model": extra.pop("model", "m1"),
-            "messages": [{"role": "user", "content": content}], **extra}
+    return {
+        "model": extra.pop("model", "m1"),
+        "messages": [{"role": "user", "content": content}],
+        **extra,
+    }
 
 
-@pytest.mark.parametrize(("ctx", "rule", "latency_class"), [
-    (_ctx(), None, "standard"),
-    (_ctx(_chat("hi", tools=[{"type": "function"}])), "tools", "interactive"),
-    (_ctx(_chat("x" * 4000)), "big", "batch"),
-    (_ctx(_chat("x" * 3996)), None, "standard"),
-    (_ctx(headers={"x-job": "nightly"}), "nightly", "batch"),
-    (_ctx(headers={"x-job": "daily"}), None, "standard"),
-    (_ctx({"model": "m1", "input": "abc"}, route="embeddings"), "embed", "batch"),
-    (_ctx(_chat("hi", model="llama-3", stream=True), model="llama-3"), "llama-stream",
-     "interactive"),
-    (_ctx(_chat("hi", model="llama-3"), model="llama-3"), None, "standard"),
-    (_ctx(_chat("please SUMMARIZE this")), "summaries", "standard"),
-    (_ctx(_chat("GDPR matters")), "eu-only", "standard"),
-    (_ctx(_chat("xGDPRx")), None, "standard"),
-    # first matching rule wins: tools beat the big prompt
-    (_ctx(_chat("x" * 8000, tools=[{"type": "function"}])), "tools", "interactive"),
-])
+@pytest.mark.parametrize(
+    ("ctx", "rule", "latency_class"),
+    [
+        (_ctx(), None, "standard"),
+        (_ctx(_chat("hi", tools=[{"type": "function"}])), "tools", "interactive"),
+        (_ctx(_chat("x" * 4000)), "big", "batch"),
+        (_ctx(_chat("x" * 3996)), None, "standard"),
+        (_ctx(headers={"x-job": "nightly"}), "nightly", "batch"),
+        (_ctx(headers={"x-job": "daily"}), None, "standard"),
+        (_ctx({"model": "m1", "input": "abc"}, route="embeddings"), "embed", "batch"),
+        (
+            _ctx(_chat("hi", model="llama-3", stream=True), model="llama-3"),
+            "llama-stream",
+            "interactive",
+        ),
+        (_ctx(_chat("hi", model="llama-3"), model="llama-3"), None, "standard"),
+        (_ctx(_chat("please SUMMARIZE this")), "summaries", "standard"),
+        (_ctx(_chat("GDPR matters")), "eu-only", "standard"),
+        (_ctx(_chat("xGDPRx")), None, "standard"),
+        # first matching rule wins: tools beat the big prompt
+        (_ctx(_chat("x" * 8000, tools=[{"type": "function"}])), "tools", "interactive"),
+    ],
+)
 def test_rules(ctx, rule, latency_class):
     intent = _classifier().classify(ctx, _tenant())
     assert (intent.rule, intent.latency_class) == (rule, latency_class)
@@ -81,8 +110,9 @@ def test_deadlines_residency_and_estimates():
     assert default.max_tokens == 2 * 512 and default.deadline == 600
     eu = classifier.classify(_ctx(_chat("GDPR")), _tenant(residency=["eu", "us"]))
     assert eu.residency == frozenset({"eu"})
-    tokens = classifier.classify(_ctx({"model": "m1", "prompt": [[1, 2, 3], [4, 5]]},
-                                      route="completions"), _tenant())
+    tokens = classifier.classify(
+        _ctx({"model": "m1", "prompt": [[1, 2, 3], [4, 5]]}, route="completions"), _tenant()
+    )
     assert tokens.prompt_tokens == 5
 
 
@@ -96,26 +126,32 @@ def test_tier_caps_the_class_and_client_deadline_only_shortens():
     assert longer.deadline == 600
 
 
-@pytest.mark.parametrize(("headers", "expected"), [
-    ({"x-kvgate-workflow-id": "wf-1", "x-kvgate-workflow-step": "3/5"}, ("wf-1", 3, 5)),
-    ({"x-kvgate-workflow-id": "wf-1", "x-kvgate-workflow-step": "2"}, ("wf-1", 2, None)),
-    ({"x-kvgate-workflow-id": "wf-1"}, ("wf-1", 1, None)),
-])
+@pytest.mark.parametrize(
+    ("headers", "expected"),
+    [
+        ({"x-kvgate-workflow-id": "wf-1", "x-kvgate-workflow-step": "3/5"}, ("wf-1", 3, 5)),
+        ({"x-kvgate-workflow-id": "wf-1", "x-kvgate-workflow-step": "2"}, ("wf-1", 2, None)),
+        ({"x-kvgate-workflow-id": "wf-1"}, ("wf-1", 1, None)),
+    ],
+)
 def test_workflow_headers(headers, expected):
     workflow = _classifier().classify(_ctx(headers=headers), _tenant()).workflow
     assert workflow is not None and (workflow.id, workflow.step, workflow.total) == expected
 
 
-@pytest.mark.parametrize("headers", [
-    {"x-kvgate-workflow-step": "3/5"},
-    {"x-kvgate-workflow-id": "wf 1"},
-    {"x-kvgate-workflow-id": "wf", "x-kvgate-workflow-step": "6/5"},
-    {"x-kvgate-workflow-id": "wf", "x-kvgate-workflow-step": "0"},
-    {"x-kvgate-workflow-id": "wf", "x-kvgate-workflow-step": "three"},
-    {"x-kvgate-deadline": "soon"},
-    {"x-kvgate-deadline": "-1"},
-    {"x-kvgate-deadline": "nan"},
-])
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"x-kvgate-workflow-step": "3/5"},
+        {"x-kvgate-workflow-id": "wf 1"},
+        {"x-kvgate-workflow-id": "wf", "x-kvgate-workflow-step": "6/5"},
+        {"x-kvgate-workflow-id": "wf", "x-kvgate-workflow-step": "0"},
+        {"x-kvgate-workflow-id": "wf", "x-kvgate-workflow-step": "three"},
+        {"x-kvgate-deadline": "soon"},
+        {"x-kvgate-deadline": "-1"},
+        {"x-kvgate-deadline": "nan"},
+    ],
+)
 def test_bad_headers_are_400(headers):
     with pytest.raises(InvalidRequest) as info:
         _classifier().classify(_ctx(headers=headers), _tenant())

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import httpx
 
-from gateway.chain.tenants import cache_salt_for
-from gateway.types import RequestContext
+from kvgate.chain.tenants import cache_salt_for
+from kvgate.types import RequestContext
 from tests.chain.helpers import chat, make_key, tenant
 from tests.conftest import gateway_config
 
@@ -17,19 +17,37 @@ SECRET = "salt-secret-for-tests"
 
 
 def _config(url: str) -> dict:
-    return gateway_config([url], pool={"models": ["m1"]}, auth={
-        "cache_salt_secret": SECRET,
-        "tenants": [tenant("gold", "gold", [GOLD_ENTRY]),
-                    tenant("bronze", "bronze", [BRONZE_ENTRY]),
-                    tenant("open", "silver", [OPEN_ENTRY], cache_isolation="shared")],
-        "admin_keys": [],
-    }, classification={"rules": [
-        {"name": "wants-interactive", "when": {"headers": {"x-app": "chat"}},
-         "then": {"class": "interactive"}}]})
+    return gateway_config(
+        [url],
+        pool={"models": ["m1"]},
+        auth={
+            "cache_salt_secret": SECRET,
+            "tenants": [
+                tenant("gold", "gold", [GOLD_ENTRY]),
+                tenant("bronze", "bronze", [BRONZE_ENTRY]),
+                tenant("open", "silver", [OPEN_ENTRY], cache_isolation="shared"),
+            ],
+            "admin_keys": [],
+        },
+        classification={
+            "rules": [
+                {
+                    "name": "wants-interactive",
+                    "when": {"headers": {"x-app": "chat"}},
+                    "then": {"class": "interactive"},
+                }
+            ]
+        },
+    )
 
 
-INJECTED = {"x-kvgate-tenant": "gold", "x-kvgate-priority": "0", "x-kvgate-tier": "gold",
-            "x-tenant": "gold", "x-priority": "0"}
+INJECTED = {
+    "x-kvgate-tenant": "gold",
+    "x-kvgate-priority": "0",
+    "x-kvgate-tier": "gold",
+    "x-tenant": "gold",
+    "x-priority": "0",
+}
 
 
 def test_client_cache_salt_is_overwritten_and_headers_do_not_travel(upstream, start_gateway):
@@ -63,8 +81,7 @@ def test_headers_cannot_change_tenant_or_raise_priority(upstream, start_gateway)
         """Classify as the chain does: the tenant comes from the key, never from headers."""
         raw = [(k.encode(), v.encode()) for k, v in headers.items()]
         payload = {"model": "m1", "messages": [{"role": "user", "content": "hi"}]}
-        ctx = RequestContext("t", "chat", "/v1/chat/completions", raw, b"", payload, "m1",
-                             False)
+        ctx = RequestContext("t", "chat", "/v1/chat/completions", raw, b"", payload, "m1", False)
         tenant_ = app.tenants.keys[key.partition(".")[0]].tenant
         return app.classifier.classify(ctx, tenant_).explain()
 
@@ -82,11 +99,16 @@ def test_admin_explain_reports_rule_and_tenant(upstream, start_gateway):
     config = _config(up.url)
     config["auth"]["admin_keys"] = [admin_entry]
     _, server = start_gateway(config)
-    response = httpx.post(server.url + "/admin/explain/v1/chat/completions?tenant=gold",
-                          headers={"authorization": f"Bearer {admin}", "x-app": "chat",
-                                   "x-kvgate-workflow-id": "wf-9",
-                                   "x-kvgate-workflow-step": "3/5"},
-                          json={"model": "m1", "messages": [{"role": "user", "content": "hi"}]})
+    response = httpx.post(
+        server.url + "/admin/explain/v1/chat/completions?tenant=gold",
+        headers={
+            "authorization": f"Bearer {admin}",
+            "x-app": "chat",
+            "x-kvgate-workflow-id": "wf-9",
+            "x-kvgate-workflow-step": "3/5",
+        },
+        json={"model": "m1", "messages": [{"role": "user", "content": "hi"}]},
+    )
     assert response.status_code == 200
     body = response.json()
     assert body["tenant"] == "gold" and body["intent"]["rule"] == "wants-interactive"

@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from gateway.chain.predict import DurationPredictor, Estimate
-from gateway.chain.settings import AdmissionConfig
+from kvgate.chain.predict import DurationPredictor, Estimate
+from kvgate.chain.settings import AdmissionConfig
 
 
 def test_before_any_observation_the_initial_values_are_used():

@@ -8,8 +8,8 @@ import asyncio
 import httpx
 import pytest
 
-from gateway.chain.quotas import InMemoryQuotaStore, QuotaExceeded, QuotaTooSmall
-from gateway.chain.settings import LimitsConfig
+from kvgate.chain.quotas import InMemoryQuotaStore, QuotaExceeded, QuotaTooSmall
+from kvgate.chain.settings import LimitsConfig
 from tests.chain.helpers import IDLE, admission_state, chat, make_key, tenant
 from tests.conftest import gateway_config
 
@@ -71,8 +71,11 @@ KEY, ENTRY = make_key("q-1")
 
 
 def _config(url: str, **limits) -> dict:
-    return gateway_config([url], pool={"models": ["m1"]}, auth={"tenants": [
-        tenant("q", "silver", [ENTRY], limits=limits)]})
+    return gateway_config(
+        [url],
+        pool={"models": ["m1"]},
+        auth={"tenants": [tenant("q", "silver", [ENTRY], limits=limits)]},
+    )
 
 
 def test_requests_per_minute_exact_over_http(upstream, start_gateway):
@@ -81,11 +84,16 @@ def test_requests_per_minute_exact_over_http(upstream, start_gateway):
 
     async def burst() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=10) as client:
-            return await asyncio.gather(*(client.post(
-                server.url + "/v1/chat/completions",
-                headers={"authorization": f"Bearer {KEY}"},
-                json={"model": "m1", "messages": [{"role": "user", "content": "hi"}]})
-                for _ in range(20)))
+            return await asyncio.gather(
+                *(
+                    client.post(
+                        server.url + "/v1/chat/completions",
+                        headers={"authorization": f"Bearer {KEY}"},
+                        json={"model": "m1", "messages": [{"role": "user", "content": "hi"}]},
+                    )
+                    for _ in range(20)
+                )
+            )
 
     responses = asyncio.run(burst())
     statuses = sorted(r.status_code for r in responses)

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import orjson
 
-from gateway.sim import SimFleet
+from kvgate.sim import SimFleet
 from tests.conftest import gateway_config
 
 MODEL = "sim-model"
@@ -19,8 +19,12 @@ def chat(content: str = "Tell me about rivers.", **extra: Any) -> dict[str, Any]
     return {"model": MODEL, "messages": [{"role": "user", "content": content}], **extra}
 
 
-def pool_config(fleet: SimFleet, resilience: dict[str, Any] | None = None,
-                pool: dict[str, Any] | None = None, **top: Any) -> dict[str, Any]:
+def pool_config(
+    fleet: SimFleet,
+    resilience: dict[str, Any] | None = None,
+    pool: dict[str, Any] | None = None,
+    **top: Any,
+) -> dict[str, Any]:
     """A gateway config over the fleet: round robin, resilience scaled to seconds; `pool`
     adds pool keys, `top` top-level sections."""
     scaled = {
@@ -29,8 +33,12 @@ def pool_config(fleet: SimFleet, resilience: dict[str, Any] | None = None,
         **(resilience or {}),
     }
     return gateway_config(
-        fleet.urls, pool={"models": [MODEL], "policy": "round_robin", **(pool or {})},
-        resilience=scaled, auth="none", **top)
+        fleet.urls,
+        pool={"models": [MODEL], "policy": "round_robin", **(pool or {})},
+        resilience=scaled,
+        auth="none",
+        **top,
+    )
 
 
 def received(fleet: SimFleet) -> int:
@@ -57,16 +65,24 @@ def stream_outcome(raw: bytes) -> tuple[str, str]:
             last = index == len(events) - 1
             return ("error" if well_formed and last else "lost"), "".join(text)
         for choice in chunk.get("choices") or []:
-            piece = (choice.get("delta") or {}).get("content") if "delta" in choice \
+            piece = (
+                (choice.get("delta") or {}).get("content")
+                if "delta" in choice
                 else choice.get("text")
+            )
             text.append(piece or "")
     return "lost", "".join(text)
 
 
-def stream(url: str, body: dict[str, Any], headers: dict[str, str] | None = None,
-           timeout: float = 20) -> tuple[httpx.Response, str, str]:
-    response = httpx.post(url + "/v1/chat/completions", json={**body, "stream": True},
-                          headers=headers, timeout=timeout)
+def stream(
+    url: str, body: dict[str, Any], headers: dict[str, str] | None = None, timeout: float = 20
+) -> tuple[httpx.Response, str, str]:
+    response = httpx.post(
+        url + "/v1/chat/completions",
+        json={**body, "stream": True},
+        headers=headers,
+        timeout=timeout,
+    )
     if response.status_code != 200:
         return response, "error", ""
     outcome, text = stream_outcome(response.content)

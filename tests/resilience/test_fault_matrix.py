@@ -9,8 +9,8 @@ import httpx
 import orjson
 import pytest
 
-from gateway.sim import EngineOptions, SimFleet
-from gateway.upstream.breaker import BreakerState
+from kvgate.sim import EngineOptions, SimFleet
+from kvgate.upstream.breaker import BreakerState
 from tests.resilience.helpers import chat, pool_config, received, stream, wait_for
 
 
@@ -36,8 +36,12 @@ def test_1_crash_before_first_byte_is_retried_elsewhere(fleet, start_gateway):
     fleet.engines[0].set_fault({"mode": "reset_before_first_byte"})
     before = received(fleet)
     outcomes = [stream(server.url, chat(max_tokens=8))[1] for _ in range(8)]
-    unary = [httpx.post(server.url + "/v1/chat/completions", json=chat(max_tokens=4),
-                        timeout=20).status_code for _ in range(4)]
+    unary = [
+        httpx.post(
+            server.url + "/v1/chat/completions", json=chat(max_tokens=4), timeout=20
+        ).status_code
+        for _ in range(4)
+    ]
     assert outcomes == ["complete"] * 8 and unary == [200] * 4
     assert app.resilience.breakers[app.fleet.endpoints[0]].consecutive_failures >= 2
     assert received(fleet) - before <= 12 * 2  # each failure costs one extra attempt
@@ -59,9 +63,13 @@ def test_2_crash_mid_stream_ends_with_an_error_event_and_is_recorded(fleet, star
 
 
 def test_3_slow_first_token_times_out_retries_and_traffic_shifts_away(fleet, start_gateway):
-    config = pool_config(fleet, timeouts={"first_token": 0.5},
-                         resilience={"breaker": {"consecutive_failures": 2,
-                                                 "base_ejection": 30, "max_ejection": 30}})
+    config = pool_config(
+        fleet,
+        timeouts={"first_token": 0.5},
+        resilience={
+            "breaker": {"consecutive_failures": 2, "base_ejection": 30, "max_ejection": 30}
+        },
+    )
     app, server = start_gateway(config)
     fleet.engines[2].set_fault({"mode": "slow_first_token", "delay_ms": 5000})
     outcomes = [stream(server.url, chat(max_tokens=4))[1] for _ in range(12)]
@@ -90,8 +98,9 @@ def test_4_5xx_storm_fails_fast_without_amplification_and_recovers(fleet, start_
     before = received(fleet)
     statuses, retry_after = [], []
     for _ in range(60):
-        response = httpx.post(server.url + "/v1/chat/completions", json=chat(max_tokens=4),
-                              timeout=20)
+        response = httpx.post(
+            server.url + "/v1/chat/completions", json=chat(max_tokens=4), timeout=20
+        )
         statuses.append(response.status_code)
         retry_after.append(response.headers.get("retry-after"))
         assert set(response.json()["error"]) == {"message", "type", "param", "code"}
@@ -107,8 +116,12 @@ def test_4_5xx_storm_fails_fast_without_amplification_and_recovers(fleet, start_
     def healthy_again() -> bool:
         nonlocal sent
         sent += 1
-        return httpx.post(server.url + "/v1/chat/completions", json=chat(max_tokens=4),
-                          timeout=20).status_code == 200
+        return (
+            httpx.post(
+                server.url + "/v1/chat/completions", json=chat(max_tokens=4), timeout=20
+            ).status_code
+            == 200
+        )
 
     wait_for(healthy_again, timeout=15)
     assert received(fleet) - recovering <= sent  # no retry storm while recovering
@@ -139,12 +152,16 @@ def test_6_malformed_sse_is_a_backend_failure_never_garbage(fleet, start_gateway
     # The bad event arrives either after the commit (error event) or in the same read as the
     # first event (retried elsewhere before anything reached the client): a backend failure
     # against engine 0 either way.
-    retried = 'kvgate_retries_total{pool="default",reason="upstream_malformed_event"}' in \
-        httpx.get(server.url + "/metrics").text
+    retried = (
+        'kvgate_retries_total{pool="default",reason="upstream_malformed_event"}'
+        in httpx.get(server.url + "/metrics").text
+    )
     assert outcomes.count("error") >= 1 or retried
     assert app.resilience.breakers[app.fleet.endpoints[0]].consecutive_failures >= 1
-    unary = [httpx.post(server.url + "/v1/chat/completions", json=chat(max_tokens=4),
-                        timeout=20) for _ in range(4)]
+    unary = [
+        httpx.post(server.url + "/v1/chat/completions", json=chat(max_tokens=4), timeout=20)
+        for _ in range(4)
+    ]
     assert [r.status_code for r in unary] == [200] * 4  # truncated JSON body: retried
     assert all(r.json()["choices"] for r in unary)
 
@@ -154,8 +171,12 @@ def test_7_client_disconnect_aborts_upstream_and_is_not_a_failure(start_gateway)
     with SimFleet.in_thread(engines=2, options=options) as slow:
         app, server = start_gateway(pool_config(slow))
         for _ in range(6):
-            with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=20,
-                              json=chat(max_tokens=400, ignore_eos=True, stream=True)) as r:
+            with httpx.stream(
+                "POST",
+                server.url + "/v1/chat/completions",
+                timeout=20,
+                json=chat(max_tokens=400, ignore_eos=True, stream=True),
+            ) as r:
                 next(r.iter_raw())
         wait_for(lambda: sum(e.stats()["requests_aborted"] for e in slow.engines) == 6)
         wait_for(lambda: all(e.inflight == 0 for e in app.fleet.endpoints))
@@ -181,8 +202,12 @@ def test_8b_retry_after_beyond_the_deadline_is_relayed_not_retried(fleet, start_
     for engine in fleet.engines:
         engine.set_fault({"mode": "http_error", "status": 429, "retry_after": 30})
     before = received(fleet)
-    response = httpx.post(server.url + "/v1/chat/completions", json=chat(max_tokens=4),
-                          headers={"x-kvgate-timeout-ms": "2000"}, timeout=20)
+    response = httpx.post(
+        server.url + "/v1/chat/completions",
+        json=chat(max_tokens=4),
+        headers={"x-kvgate-timeout-ms": "2000"},
+        timeout=20,
+    )
     assert response.status_code == 429 and response.headers["retry-after"] == "30"
     assert received(fleet) - before == 1
 
@@ -191,8 +216,12 @@ def test_8c_spent_budget_fails_fast_with_the_original_error(fleet, start_gateway
     budget = {"percent_of_active": 0, "min_concurrency": 0}
     _app, server = start_gateway(pool_config(fleet, resilience={"retry_budget": budget}))
     fleet.engines[0].set_fault({"mode": "http_error", "status": 503})
-    codes = [httpx.post(server.url + "/v1/chat/completions", json=chat(max_tokens=4),
-                        timeout=20).status_code for _ in range(4)]
+    codes = [
+        httpx.post(
+            server.url + "/v1/chat/completions", json=chat(max_tokens=4), timeout=20
+        ).status_code
+        for _ in range(4)
+    ]
     assert codes.count(503) == 1 and codes.count(200) == 3
     assert 'reason="budget"' in httpx.get(server.url + "/metrics").text
 
@@ -201,20 +230,21 @@ def test_client_errors_are_not_retried_and_never_count(fleet, start_gateway):
     app, server = start_gateway(pool_config(fleet))
     before = received(fleet)
     for _ in range(8):
-        response = httpx.post(server.url + "/v1/chat/completions", timeout=20,
-                              json=chat(max_tokens=10_000_000))
+        response = httpx.post(
+            server.url + "/v1/chat/completions", timeout=20, json=chat(max_tokens=10_000_000)
+        )
         assert response.status_code == 400
     assert received(fleet) - before == 8
-    assert all(app.resilience.breakers[e].consecutive_failures == 0
-               for e in app.fleet.endpoints)
+    assert all(app.resilience.breakers[e].consecutive_failures == 0 for e in app.fleet.endpoints)
 
 
 @pytest.mark.parametrize("header", ["x-kvgate-timeout-ms", "x-kvgate-first-token-timeout-ms"])
 def test_bad_timeout_header_is_rejected_before_any_engine(fleet, start_gateway, header):
     app, server = start_gateway(pool_config(fleet))
     before = received(fleet)
-    response = httpx.post(server.url + "/v1/chat/completions", json=chat(),
-                          headers={header: "soon"}, timeout=20)
+    response = httpx.post(
+        server.url + "/v1/chat/completions", json=chat(), headers={header: "soon"}, timeout=20
+    )
     assert response.status_code == 400
     assert response.json()["error"]["param"] == header
     assert received(fleet) == before
@@ -225,11 +255,14 @@ def test_timeout_header_shortens_the_deadline(fleet, start_gateway):
     app, server = start_gateway(pool_config(fleet))
     for engine in fleet.engines:
         engine.set_fault({"mode": "slow_first_token", "delay_ms": 5000})
-    response = httpx.post(server.url + "/v1/chat/completions", json=chat(max_tokens=4),
-                          headers={"x-kvgate-first-token-timeout-ms": "300",
-                                   "x-kvgate-timeout-ms": "1500"}, timeout=20)
+    response = httpx.post(
+        server.url + "/v1/chat/completions",
+        json=chat(max_tokens=4),
+        headers={"x-kvgate-first-token-timeout-ms": "300", "x-kvgate-timeout-ms": "1500"},
+        timeout=20,
+    )
     assert response.status_code == 504
-    assert response.json()["error"]["code"] in ("upstream_first_token_timeout",
-                                                "deadline_exceeded")
-    assert all(app.resilience.breakers[e].consecutive_failures == 0
-               for e in app.fleet.endpoints)  # the client's own limit blames no engine
+    assert response.json()["error"]["code"] in ("upstream_first_token_timeout", "deadline_exceeded")
+    assert all(
+        app.resilience.breakers[e].consecutive_failures == 0 for e in app.fleet.endpoints
+    )  # the client's own limit blames no engine

@@ -9,7 +9,7 @@ import httpx
 import orjson
 import pytest
 
-from gateway.sim import EngineOptions, SimFleet
+from kvgate.sim import EngineOptions, SimFleet
 from tests.resilience.helpers import chat, pool_config, stream_outcome
 
 PROMPT = "Once upon a time, by the river,"
@@ -22,14 +22,14 @@ def fleet() -> Iterator[SimFleet]:
 
 
 def events(raw: bytes) -> list[dict]:
-    return [orjson.loads(e[6:]) for e in raw.split(b"\n\n")
-            if e.startswith(b"data: {")]
+    return [orjson.loads(e[6:]) for e in raw.split(b"\n\n") if e.startswith(b"data: {")]
 
 
 def reference(fleet: SimFleet, path: str, body: dict) -> tuple[str, dict]:
     """Text and usage of the uninterrupted answer, straight from a healthy engine."""
-    answer = httpx.post(fleet.engines[2].url + path, json={**body, "stream": False},
-                        timeout=20).json()
+    answer = httpx.post(
+        fleet.engines[2].url + path, json={**body, "stream": False}, timeout=20
+    ).json()
     choice = answer["choices"][0]
     text = choice["message"]["content"] if "message" in choice else choice["text"]
     return text, answer["usage"]
@@ -45,8 +45,12 @@ def resumes(server_url: str, outcome: str) -> float:
 @pytest.mark.parametrize("usage", [False, True])
 def test_chat_resume_is_identical_to_an_uninterrupted_answer(fleet, start_gateway, usage):
     _app, server = start_gateway(pool_config(fleet, pool={"resume": True}))
-    body = chat(max_tokens=40, ignore_eos=True, stream=True,
-                **({"stream_options": {"include_usage": True}} if usage else {}))
+    body = chat(
+        max_tokens=40,
+        ignore_eos=True,
+        stream=True,
+        **({"stream_options": {"include_usage": True}} if usage else {}),
+    )
     expected, expected_usage = reference(fleet, "/v1/chat/completions", body)
     fleet.engines[0].set_fault({"mode": "crash_after_tokens", "tokens": 7})
     response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=20)
@@ -67,8 +71,13 @@ def test_chat_resume_is_identical_to_an_uninterrupted_answer(fleet, start_gatewa
 
 def test_completions_resume_with_prompt_plus_text(fleet, start_gateway):
     _app, server = start_gateway(pool_config(fleet, pool={"resume": True}))
-    body = {"model": "sim-model", "prompt": PROMPT, "max_tokens": 30, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "model": "sim-model",
+        "prompt": PROMPT,
+        "max_tokens": 30,
+        "ignore_eos": True,
+        "stream": True,
+    }
     expected, _ = reference(fleet, "/v1/completions", body)
     fleet.engines[0].set_fault({"mode": "crash_after_tokens", "tokens": 11})
     response = httpx.post(server.url + "/v1/completions", json=body, timeout=20)
@@ -89,8 +98,11 @@ def test_at_most_one_resume_then_a_well_formed_error(fleet, start_gateway):
     app, server = start_gateway(pool_config(fleet, pool={"resume": True}))
     for engine in fleet.engines:
         engine.set_fault({"mode": "crash_after_tokens", "tokens": 4})
-    response = httpx.post(server.url + "/v1/chat/completions", timeout=20,
-                          json=chat(max_tokens=40, ignore_eos=True, stream=True))
+    response = httpx.post(
+        server.url + "/v1/chat/completions",
+        timeout=20,
+        json=chat(max_tokens=40, ignore_eos=True, stream=True),
+    )
     outcome, text = stream_outcome(response.content)
     assert outcome == "error" and text  # what was relayed stays; the end is an error event
     assert resumes(server.url, "failed") == 1
@@ -101,7 +113,10 @@ def test_at_most_one_resume_then_a_well_formed_error(fleet, start_gateway):
 def test_ineligible_requests_are_not_resumed(fleet, start_gateway):
     _app, server = start_gateway(pool_config(fleet, pool={"resume": True}))
     fleet.engines[0].set_fault({"mode": "crash_after_tokens", "tokens": 4})
-    response = httpx.post(server.url + "/v1/chat/completions", timeout=20,
-                          json=chat(max_tokens=40, ignore_eos=True, stream=True, logprobs=True))
+    response = httpx.post(
+        server.url + "/v1/chat/completions",
+        timeout=20,
+        json=chat(max_tokens=40, ignore_eos=True, stream=True, logprobs=True),
+    )
     assert stream_outcome(response.content)[0] == "error"
     assert resumes(server.url, "ok") == 0

@@ -7,14 +7,14 @@ import random
 import orjson
 import pytest
 
-from gateway.config import (
+from kvgate.config import (
     BreakerConfig,
     RetryBudgetConfig,
     ThrottleConfig,
     TimeoutsConfig,
     parse_config,
 )
-from gateway.errors import (
+from kvgate.errors import (
     InvalidRequest,
     Overloaded,
     UpstreamProtocolError,
@@ -22,16 +22,16 @@ from gateway.errors import (
     UpstreamUnavailable,
     upstream_error_from_body,
 )
-from gateway.types import RequestContext
-from gateway.upstream.attempts import judge
-from gateway.upstream.backoff import full_jitter_delay
-from gateway.upstream.breaker import BreakerState, EjectionGroup, EndpointBreaker
-from gateway.upstream.limits import resolve_limits
-from gateway.upstream.observer import NullObserver
-from gateway.upstream.resume import StreamTranscript, continuation_body, resume_eligible
-from gateway.upstream.retry_budget import RetryBudget
-from gateway.upstream.throttle import AdaptiveThrottle
-from gateway.upstream.window import RollingCounts
+from kvgate.types import RequestContext
+from kvgate.upstream.attempts import judge
+from kvgate.upstream.backoff import full_jitter_delay
+from kvgate.upstream.breaker import BreakerState, EjectionGroup, EndpointBreaker
+from kvgate.upstream.limits import resolve_limits
+from kvgate.upstream.observer import NullObserver
+from kvgate.upstream.resume import StreamTranscript, continuation_body, resume_eligible
+from kvgate.upstream.retry_budget import RetryBudget
+from kvgate.upstream.throttle import AdaptiveThrottle
+from kvgate.upstream.window import RollingCounts
 
 
 class Clock:
@@ -54,17 +54,33 @@ class Recorder(NullObserver):
         self.skipped.append(endpoint)
 
 
-
-def ctx_for(route: str = "chat", payload: dict | None = None, headers=None, tier: str = "",
-            stream: bool = True) -> RequestContext:
-    payload = payload if payload is not None else {
-        "model": "m", "stream": stream, "messages": [{"role": "user", "content": "hi"}]}
-    return RequestContext(request_id="r", route=route, upstream_path="/v1/x",
-                          client_headers=headers or [], body=orjson.dumps(payload),
-                          payload=payload, model="m", stream=stream, tier=tier)
+def ctx_for(
+    route: str = "chat",
+    payload: dict | None = None,
+    headers=None,
+    tier: str = "",
+    stream: bool = True,
+) -> RequestContext:
+    payload = (
+        payload
+        if payload is not None
+        else {"model": "m", "stream": stream, "messages": [{"role": "user", "content": "hi"}]}
+    )
+    return RequestContext(
+        request_id="r",
+        route=route,
+        upstream_path="/v1/x",
+        client_headers=headers or [],
+        body=orjson.dumps(payload),
+        payload=payload,
+        model="m",
+        stream=stream,
+        tier=tier,
+    )
 
 
 # --- window and back-off -------------------------------------------------------------------
+
 
 def test_rolling_counts_forget_after_the_window():
     window = RollingCounts(10, series=2)
@@ -76,8 +92,9 @@ def test_rolling_counts_forget_after_the_window():
     assert window.total(1, 200.0) == 0
 
 
-@pytest.mark.parametrize("retry,ceiling", [(1, 0.025), (2, 0.05), (3, 0.1), (4, 0.2), (5, 0.25),
-                                           (12, 0.25)])
+@pytest.mark.parametrize(
+    "retry,ceiling", [(1, 0.025), (2, 0.05), (3, 0.1), (4, 0.2), (5, 0.25), (12, 0.25)]
+)
 def test_full_jitter_stays_within_the_exponential_ceiling(retry, ceiling):
     rng = random.Random(1)
     delays = [full_jitter_delay(retry, 0.025, 0.25, rng) for _ in range(500)]
@@ -86,6 +103,7 @@ def test_full_jitter_stays_within_the_exponential_ceiling(retry, ceiling):
 
 
 # --- retry budget ----------------------------------------------------------------------------
+
 
 def test_concurrency_budget_has_a_floor_and_scales_with_active_requests():
     clock = Clock()
@@ -102,8 +120,9 @@ def test_concurrency_budget_has_a_floor_and_scales_with_active_requests():
 
 def test_rate_budget_allows_percent_of_requests_plus_a_reserve():
     clock = Clock()
-    config = RetryBudgetConfig(percent_of_active=None, percent_of_requests=20,
-                               min_per_second=1, window=10)
+    config = RetryBudgetConfig(
+        percent_of_active=None, percent_of_requests=20, min_per_second=1, window=10
+    )
     budget = RetryBudget(config, clock)
     for _ in range(100):
         budget.request_started()
@@ -120,10 +139,10 @@ def test_rate_budget_allows_percent_of_requests_plus_a_reserve():
 
 # --- throttle --------------------------------------------------------------------------------
 
+
 def test_throttle_follows_the_sre_formula_and_recovers():
     clock = Clock()
-    throttle = AdaptiveThrottle(ThrottleConfig(min_requests=0, window=10), clock,
-                                random.Random(0))
+    throttle = AdaptiveThrottle(ThrottleConfig(min_requests=0, window=10), clock, random.Random(0))
     for _ in range(100):
         assert throttle.admit()
         throttle.record(accepted=True)
@@ -157,12 +176,13 @@ def test_throttle_ignores_a_quiet_pool_and_can_be_disabled():
 
 # --- breaker ---------------------------------------------------------------------------------
 
-def breakers(n: int, clock: Clock, recorder: Recorder | None = None,
-             **config: float) -> list[EndpointBreaker]:
+
+def breakers(
+    n: int, clock: Clock, recorder: Recorder | None = None, **config: float
+) -> list[EndpointBreaker]:
     cfg = BreakerConfig(**{"base_ejection": 30, "max_ejection": 300, **config})
     group = EjectionGroup(cfg.max_ejected_fraction)
-    return [EndpointBreaker(f"e{i}", cfg, group, recorder or Recorder(), clock)
-            for i in range(n)]
+    return [EndpointBreaker(f"e{i}", cfg, group, recorder or Recorder(), clock) for i in range(n)]
 
 
 def fail(breaker: EndpointBreaker, times: int = 1) -> None:
@@ -184,8 +204,9 @@ def test_consecutive_failures_open_the_breaker_and_success_resets_the_count():
 
 def test_failure_rate_over_the_window_opens_the_breaker():
     clock = Clock()
-    b, _ = breakers(2, clock, consecutive_failures=100, failure_rate=0.5,
-                    failure_rate_min_requests=10)
+    b, _ = breakers(
+        2, clock, consecutive_failures=100, failure_rate=0.5, failure_rate_min_requests=10
+    )
     for i in range(10):
         token = b.begin()
         b.failure(token) if i % 2 else b.success(token)
@@ -268,33 +289,40 @@ def test_client_errors_never_count():
 
 # --- the retry policy ------------------------------------------------------------------------
 
+
 def upstream(status: int, retry_after: float | None = None):
     return upstream_error_from_body(status, b"{}", retry_after)
 
 
-@pytest.mark.parametrize("error,retriable,failure,overload", [
-    (UpstreamUnavailable("x", code="upstream_connect_failed"), True, True, True),
-    (UpstreamUnavailable("x", code="upstream_connection_lost"), True, True, True),
-    (UpstreamTimeout("x", code="upstream_connect_timeout"), True, True, True),
-    (UpstreamTimeout("x", code="upstream_first_token_timeout"), True, True, True),
-    (UpstreamTimeout("x", code="deadline_exceeded"), False, True, True),
-    (UpstreamProtocolError("x", code="upstream_malformed_event"), True, True, True),
-    (upstream(502), True, True, True),
-    (upstream(503), True, True, True),
-    (upstream(504), True, True, True),
-    (upstream(500), False, True, True),
-    (upstream(429), False, False, True),
-    (upstream(429, retry_after=2), True, False, True),
-    (upstream(400), False, False, False),
-    (upstream(404), False, False, False),
-    (upstream(413), False, False, False),
-    (upstream(422), False, False, False),
-    (Overloaded("x", code="upstream_pool_exhausted"), False, False, False),
-])
+@pytest.mark.parametrize(
+    "error,retriable,failure,overload",
+    [
+        (UpstreamUnavailable("x", code="upstream_connect_failed"), True, True, True),
+        (UpstreamUnavailable("x", code="upstream_connection_lost"), True, True, True),
+        (UpstreamTimeout("x", code="upstream_connect_timeout"), True, True, True),
+        (UpstreamTimeout("x", code="upstream_first_token_timeout"), True, True, True),
+        (UpstreamTimeout("x", code="deadline_exceeded"), False, True, True),
+        (UpstreamProtocolError("x", code="upstream_malformed_event"), True, True, True),
+        (upstream(502), True, True, True),
+        (upstream(503), True, True, True),
+        (upstream(504), True, True, True),
+        (upstream(500), False, True, True),
+        (upstream(429), False, False, True),
+        (upstream(429, retry_after=2), True, False, True),
+        (upstream(400), False, False, False),
+        (upstream(404), False, False, False),
+        (upstream(413), False, False, False),
+        (upstream(422), False, False, False),
+        (Overloaded("x", code="upstream_pool_exhausted"), False, False, False),
+    ],
+)
 def test_judge(error, retriable, failure, overload):
     verdict = judge(error)
     assert (verdict.retriable, verdict.endpoint_failure, verdict.overload) == (
-        retriable, failure, overload)
+        retriable,
+        failure,
+        overload,
+    )
 
 
 def test_timeouts_the_client_shortened_are_not_the_engines_fault():
@@ -311,13 +339,19 @@ def test_retry_after_is_held():
 
 # --- timeouts --------------------------------------------------------------------------------
 
-TIMEOUTS = TimeoutsConfig(first_token=30, total=100,
-                          tiers={"gold": {"first_token": 5, "total": 50}})
+TIMEOUTS = TimeoutsConfig(
+    first_token=30, total=100, tiers={"gold": {"first_token": 5, "total": 50}}
+)
 
 
 def test_tier_overrides_and_headers_only_shorten():
-    ctx = ctx_for(tier="gold", headers=[(b"x-kvgate-timeout-ms", b"999999999"),
-                                        (b"x-kvgate-first-token-timeout-ms", b"2000")])
+    ctx = ctx_for(
+        tier="gold",
+        headers=[
+            (b"x-kvgate-timeout-ms", b"999999999"),
+            (b"x-kvgate-first-token-timeout-ms", b"2000"),
+        ],
+    )
     limits = resolve_limits(ctx, TIMEOUTS)
     assert limits.first_token == 2
     assert limits.deadline == pytest.approx(ctx.started + 50)
@@ -342,12 +376,19 @@ def test_malformed_timeout_header_is_a_client_error(value):
 
 
 def test_config_cross_checks_resilience():
-    from gateway.config import ConfigError
+    from kvgate.config import ConfigError
+
     pools = [{"name": "p", "endpoints": [{"url": "http://a"}]}]
     with pytest.raises(ConfigError) as caught:
-        parse_config({"pools": pools,
-                      "resilience": {"retries": {"backoff_base": 1, "backoff_cap": 0.5},
-                                     "breaker": {"base_ejection": 60, "max_ejection": 30}}})
+        parse_config(
+            {
+                "pools": pools,
+                "resilience": {
+                    "retries": {"backoff_base": 1, "backoff_cap": 0.5},
+                    "breaker": {"base_ejection": 60, "max_ejection": 30},
+                },
+            }
+        )
     assert "resilience.retries.backoff_cap" in str(caught.value)
     assert "resilience.breaker.max_ejection" in str(caught.value)
     with pytest.raises(ConfigError) as caught:
@@ -360,30 +401,50 @@ def test_config_cross_checks_resilience():
 
 # --- resume ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("extra,eligible", [
-    ({}, True), ({"n": 2}, False), ({"tools": [{"type": "function"}]}, False),
-    ({"logprobs": True}, False), ({"continue_final_message": True}, False),
-    ({"stream_options": {"continuous_usage_stats": True}}, False),
-])
+
+@pytest.mark.parametrize(
+    "extra,eligible",
+    [
+        ({}, True),
+        ({"n": 2}, False),
+        ({"tools": [{"type": "function"}]}, False),
+        ({"logprobs": True}, False),
+        ({"continue_final_message": True}, False),
+        ({"stream_options": {"continuous_usage_stats": True}}, False),
+    ],
+)
 def test_resume_eligibility(extra, eligible):
-    payload = {"model": "m", "stream": True,
-               "messages": [{"role": "user", "content": "hi"}], **extra}
+    payload = {
+        "model": "m",
+        "stream": True,
+        "messages": [{"role": "user", "content": "hi"}],
+        **extra,
+    }
     assert resume_eligible(ctx_for(payload=payload)) is eligible
     assert not resume_eligible(ctx_for(stream=False))
 
 
-def chunk(content: str | None, role: bool = False, finish: str | None = None,
-          ident: str = "orig") -> bytes:
+def chunk(
+    content: str | None, role: bool = False, finish: str | None = None, ident: str = "orig"
+) -> bytes:
     delta: dict = {"role": "assistant", "content": ""} if role else {"content": content}
-    body = {"id": ident, "object": "chat.completion.chunk", "created": 7 if ident == "orig"
-            else 99, "model": "m" if ident == "orig" else "other",
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    body = {
+        "id": ident,
+        "object": "chat.completion.chunk",
+        "created": 7 if ident == "orig" else 99,
+        "model": "m" if ident == "orig" else "other",
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+    }
     return b"data: " + orjson.dumps(body) + b"\n\n"
 
 
 def test_transcript_relays_the_original_unchanged_and_rewrites_the_continuation():
-    payload = {"model": "m", "stream": True, "max_tokens": 10,
-               "messages": [{"role": "user", "content": "hi"}]}
+    payload = {
+        "model": "m",
+        "stream": True,
+        "max_tokens": 10,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
     ctx = ctx_for(payload=payload)
     transcript = StreamTranscript(ctx)
     original = chunk(None, role=True) + chunk("Hello") + chunk(" wor")
@@ -393,13 +454,23 @@ def test_transcript_relays_the_original_unchanged_and_rewrites_the_continuation(
     assert body["continue_final_message"] is True and body["add_generation_prompt"] is False
     assert body["max_tokens"] == 8 and body["stream_options"] == {"include_usage": True}
     transcript.begin_continuation()
-    usage = {"id": "c", "object": "chat.completion.chunk", "created": 99, "model": "other",
-             "choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 3,
-                                      "total_tokens": 15}}
-    continued = transcript.shape(chunk(None, role=True, ident="c") + chunk("ld", ident="c")
-                                 + chunk("!", finish="stop", ident="c")
-                                 + b"data: " + orjson.dumps(usage) + b"\n\n"
-                                 + b"data: [DONE]\n\n")
+    usage = {
+        "id": "c",
+        "object": "chat.completion.chunk",
+        "created": 99,
+        "model": "other",
+        "choices": [],
+        "usage": {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15},
+    }
+    continued = transcript.shape(
+        chunk(None, role=True, ident="c")
+        + chunk("ld", ident="c")
+        + chunk("!", finish="stop", ident="c")
+        + b"data: "
+        + orjson.dumps(usage)
+        + b"\n\n"
+        + b"data: [DONE]\n\n"
+    )
     events = [e for e in continued.split(b"\n\n") if e]
     assert events[-1] == b"data: [DONE]"
     parsed = [orjson.loads(e[6:]) for e in events[:-1]]
@@ -414,8 +485,13 @@ def test_continuation_of_a_completion_is_prompt_plus_text_and_respects_the_limit
     payload = {"model": "m", "stream": True, "prompt": "Once"}
     ctx = ctx_for(route="completions", payload=payload)
     transcript = StreamTranscript(ctx)
-    event = {"id": "x", "object": "text_completion", "created": 1, "model": "m",
-             "choices": [{"index": 0, "text": " upon", "finish_reason": None}]}
+    event = {
+        "id": "x",
+        "object": "text_completion",
+        "created": 1,
+        "model": "m",
+        "choices": [{"index": 0, "text": " upon", "finish_reason": None}],
+    }
     transcript.shape(b"data: " + orjson.dumps(event) + b"\n\n")
     body = orjson.loads(continuation_body(ctx, transcript))
     assert body["prompt"] == "Once upon" and body["max_tokens"] == 15

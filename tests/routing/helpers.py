@@ -5,16 +5,29 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from gateway.routing.endpoints import Endpoint, EndpointLimits, Fleet, Pool
-from gateway.routing.telemetry import EngineTelemetry
-from gateway.types import RequestContext
+from kvgate.routing.endpoints import Endpoint, EndpointLimits, Fleet, Pool
+from kvgate.routing.telemetry import EngineTelemetry
+from kvgate.types import RequestContext
 
 
-def endpoint(name: str, *, model: str = "m", pool: str = "p", labels: dict[str, str] | None = None,
-             limits: EndpointLimits | None = None, **state: Any) -> Endpoint:
-    e = Endpoint(name=name, url=f"http://{name}", pool=pool, engine="vllm",
-                 configured_models=frozenset({model}), labels=labels or {},
-                 limits=limits or EndpointLimits())
+def endpoint(
+    name: str,
+    *,
+    model: str = "m",
+    pool: str = "p",
+    labels: dict[str, str] | None = None,
+    limits: EndpointLimits | None = None,
+    **state: Any,
+) -> Endpoint:
+    e = Endpoint(
+        name=name,
+        url=f"http://{name}",
+        pool=pool,
+        engine="vllm",
+        configured_models=frozenset({model}),
+        labels=labels or {},
+        limits=limits or EndpointLimits(),
+    )
     for key, value in state.items():
         setattr(e, key, value)
     return e
@@ -31,9 +44,21 @@ def fleet(*endpoints: Endpoint) -> Fleet:
     return Fleet(Pool(name, "vllm", "kvgate", eps) for name, eps in pools.items())
 
 
-def ctx(text: str = "hello", *, model: str = "m", headers: list[tuple[bytes, bytes]] | None = None,
-        **payload: Any) -> RequestContext:
+def ctx(
+    text: str = "hello",
+    *,
+    model: str = "m",
+    headers: list[tuple[bytes, bytes]] | None = None,
+    **payload: Any,
+) -> RequestContext:
     body = {"model": model, "messages": [{"role": "user", "content": text}], **payload}
-    return RequestContext(request_id="r", route="chat", upstream_path="/v1/chat/completions",
-                          client_headers=headers or [], body=b"{}", payload=body, model=model,
-                          stream=True)
+    return RequestContext(
+        request_id="r",
+        route="chat",
+        upstream_path="/v1/chat/completions",
+        client_headers=headers or [],
+        body=b"{}",
+        payload=body,
+        model=model,
+        stream=True,
+    )

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.errors import NotFound, Overloaded
-from gateway.routing.picker import PolicyPicker, PoolRouter, RoutingServices
-from gateway.routing.policy import build_policy, builtin_policy
-from gateway.routing.settings import RoutingConfig
+from kvgate.errors import NotFound, Overloaded
+from kvgate.routing.picker import PolicyPicker, PoolRouter, RoutingServices
+from kvgate.routing.policy import build_policy, builtin_policy
+from kvgate.routing.settings import RoutingConfig
 from tests.routing.helpers import ctx, endpoint, fleet, telemetry
 
 SYSTEM = "You are a careful assistant. " * 40  # ~1,200 characters shared by a group
@@ -97,8 +97,9 @@ def test_when_saturated_queue_reject_and_fallbacks():
     assert caught.value.code == "all_endpoints_saturated"
     to_pool, _ = _picker(a, big, small, policy=build_policy({"fallback": {"pool": "spare"}}, "p"))
     assert to_pool.choose(ctx()) is big
-    to_model, _ = _picker(a, big, small,
-                          policy=build_policy({"fallback": {"model": "m-small"}}, "p"))
+    to_model, _ = _picker(
+        a, big, small, policy=build_policy({"fallback": {"model": "m-small"}}, "p")
+    )
     request = ctx()
     assert to_model.choose(request) is small
     assert (request.model, request.payload["model"]) == ("m-small", "m-small")
@@ -118,9 +119,15 @@ def test_jurisdiction_filter_applies_residency():
         picker.choose(request)
 
 
-@pytest.mark.parametrize(("mode", "header", "shown"), [
-    ("always", b"1", True), ("always", b"0", False), ("never", b"1", False),
-    ("admin", b"1", False)])
+@pytest.mark.parametrize(
+    ("mode", "header", "shown"),
+    [
+        ("always", b"1", True),
+        ("always", b"0", False),
+        ("never", b"1", False),
+        ("admin", b"1", False),
+    ],
+)
 def test_explain_header(mode, header, shown):
     picker, _ = _picker(endpoint("a"), endpoint("b"), explain=mode)
     request = ctx(SYSTEM, headers=[(b"x-kvgate-explain", header)])
@@ -151,8 +158,9 @@ def test_pool_router_sends_each_model_to_its_pool():
     a, b = endpoint("a", pool="p1", model="m1"), endpoint("b", pool="p2", model="m2")
     f = fleet(a, b)
     services = RoutingServices.from_config(RoutingConfig())
-    router = PoolRouter(f, {p: PolicyPicker(f, p, builtin_policy("kvgate"), services)
-                            for p in ("p1", "p2")})
+    router = PoolRouter(
+        f, {p: PolicyPicker(f, p, builtin_policy("kvgate"), services) for p in ("p1", "p2")}
+    )
     assert router.choose(ctx(model="m1")) is a
     assert router.choose(ctx(model="m2")) is b
     with pytest.raises(NotFound):
@@ -196,7 +204,8 @@ def test_telemetry_corrects_the_view_upwards_and_goes_stale():
     assert e.stale and load.stale
     assert (load.queued_requests, load.active_sequences, load.kv_usage) == (1, 2, 0.0)
     assert e.routable  # stale policy `local` keeps it
-    from gateway.routing.endpoints import EndpointLimits
+    from kvgate.routing.endpoints import EndpointLimits
+
     e.limits = EndpointLimits(stale_policy="exclude")
     assert not e.routable
 
@@ -216,8 +225,9 @@ def test_a_short_queue_at_the_prefix_holder_does_not_send_its_group_away():
 
 def _big_pool(count: int, max_candidates: int):
     endpoints = [endpoint(f"e{i}") for i in range(count)]
-    services = RoutingServices.from_config(RoutingConfig(explain="always",
-                                                         max_candidates=max_candidates))
+    services = RoutingServices.from_config(
+        RoutingConfig(explain="always", max_candidates=max_candidates)
+    )
     return PolicyPicker(fleet(*endpoints), "p", builtin_policy("kvgate"), services), endpoints
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gateway.config import ConfigError, load_config, parse_config
-from gateway.routing.policy import PolicyError, build_policy, builtin_policy, load_policy
+from kvgate.config import ConfigError, load_config, parse_config
+from kvgate.routing.policy import PolicyError, build_policy, builtin_policy, load_policy
 from tests.routing.helpers import ctx
 
 POLICIES = Path(__file__).resolve().parents[2] / "policies"
@@ -32,13 +32,19 @@ BAD = [
     ({"scorers": [{"type": "prefix_match"}]}, "scorers[0].weight: a scorer needs a weight"),
     ({"scorers": [{"type": "prefix_match", "weight": 0}]}, "scorers[0].weight: must be greater"),
     ({"scorers": [{"type": "nope", "weight": 1}]}, "scorers[0]: unknown scorer 'nope'"),
-    ({"filters": ["not_saturated", {"type": "labels", "params": {"mtach": {}}}]},
-     "filters[1].params.mtach: Extra inputs are not permitted"),
-    ({"picker": {"type": "max_score", "params": {"tie_margin": 2}}},
-     "picker.params.tie_margin: Input should be less than or equal to 1"),
+    (
+        {"filters": ["not_saturated", {"type": "labels", "params": {"mtach": {}}}]},
+        "filters[1].params.mtach: Extra inputs are not permitted",
+    ),
+    (
+        {"picker": {"type": "max_score", "params": {"tie_margin": 2}}},
+        "picker.params.tie_margin: Input should be less than or equal to 1",
+    ),
     ({"objective": "fastest"}, "objective: Input should be"),
-    ({"rules": [{"match": {"model": "x"}, "scorers": [{"type": "inflight"}]}]},
-     "rules[0].scorers[0].weight: a scorer needs a weight"),
+    (
+        {"rules": [{"match": {"model": "x"}, "scorers": [{"type": "inflight"}]}]},
+        "rules[0].scorers[0].weight: a scorer needs a weight",
+    ),
     ({"rules": [{"matc": {}}]}, "rules[0].matc: unknown key"),
     ({"fallback": {"pool": "a", "model": "b"}}, "fallback: give exactly one of"),
     ([1, 2], "(top level): must be a mapping"),
@@ -49,38 +55,68 @@ BAD = [
 def test_bad_policy_is_rejected_with_path_and_reason(data, problem):
     with pytest.raises(PolicyError) as caught:
         build_policy(data, "policies/x.yaml")
-    assert any(p.startswith("policies/x.yaml: ") and problem in p
-               for p in caught.value.problems), caught.value.problems
+    assert any(p.startswith("policies/x.yaml: ") and problem in p for p in caught.value.problems), (
+        caught.value.problems
+    )
 
 
 def test_config_names_policy_file_errors_under_the_pool(tmp_path):
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump({"scorers": [{"type": "kv_usage"}]}))
-    (tmp_path / "gw.yaml").write_text(yaml.safe_dump({"pools": [
-        {"name": "a", "policy": "bad.yaml", "endpoints": [{"url": "http://e:1"}]},
-        {"name": "b", "policy": "missing.yaml", "endpoints": [{"url": "http://e:2"}]},
-        {"name": "c", "policy": "fastest", "endpoints": [{"url": "http://e:3"}]}]}))
+    (tmp_path / "gw.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "pools": [
+                    {"name": "a", "policy": "bad.yaml", "endpoints": [{"url": "http://e:1"}]},
+                    {"name": "b", "policy": "missing.yaml", "endpoints": [{"url": "http://e:2"}]},
+                    {"name": "c", "policy": "fastest", "endpoints": [{"url": "http://e:3"}]},
+                ]
+            }
+        )
+    )
     with pytest.raises(ConfigError) as caught:
         load_config(tmp_path / "gw.yaml")
     problems = caught.value.problems
-    assert f"pools[0].policy: {tmp_path / 'bad.yaml'}: scorers[0].weight: a scorer needs a " \
-           "weight" in problems
-    assert any(p.startswith(f"pools[1].policy: {tmp_path / 'missing.yaml'}: (file): cannot read")
-               for p in problems)
+    assert (
+        f"pools[0].policy: {tmp_path / 'bad.yaml'}: scorers[0].weight: a scorer needs a "
+        "weight" in problems
+    )
+    assert any(
+        p.startswith(f"pools[1].policy: {tmp_path / 'missing.yaml'}: (file): cannot read")
+        for p in problems
+    )
     assert any(p.startswith("pools[2].policy: unknown policy 'fastest'") for p in problems)
 
 
 def test_config_loads_a_policy_file_and_keeps_it():
-    config = parse_config({"pools": [{"name": "a", "policy": str(POLICIES / "cost.yaml"),
-                                      "endpoints": [{"url": "http://e:1"}]}]})
+    config = parse_config(
+        {
+            "pools": [
+                {
+                    "name": "a",
+                    "policy": str(POLICIES / "cost.yaml"),
+                    "endpoints": [{"url": "http://e:1"}],
+                }
+            ]
+        }
+    )
     assert config.routing_policy("a").name == "cost"
     assert config.routing_policy("missing") is None
 
 
 def test_rules_match_model_tier_class_and_headers():
-    policy = build_policy({"rules": [
-        {"name": "hdr", "match": {"headers": {"X-Team": "search-*"}}, "objective": "cost"},
-        {"name": "gold", "match": {"model": "big-*", "tier": ["gold"]}, "objective": "balanced"},
-    ]}, "p.yaml")
+    policy = build_policy(
+        {
+            "rules": [
+                {"name": "hdr", "match": {"headers": {"X-Team": "search-*"}}, "objective": "cost"},
+                {
+                    "name": "gold",
+                    "match": {"model": "big-*", "tier": ["gold"]},
+                    "objective": "balanced",
+                },
+            ]
+        },
+        "p.yaml",
+    )
     request = ctx(model="big-1")
     assert policy.profile_for(request)[1] == "default"
     request.tier = "gold"

@@ -11,7 +11,7 @@ from collections import OrderedDict
 
 import pytest
 
-from gateway.routing.prefix_index import (
+from kvgate.routing.prefix_index import (
     BYTES_PER_LEAF,
     BYTES_PER_LEAF_BLOCK,
     BYTES_PER_ROOT,
@@ -19,7 +19,7 @@ from gateway.routing.prefix_index import (
     PrefixHasher,
     PrefixIndex,
 )
-from gateway.routing.prompt_text import prompt_text
+from kvgate.routing.prompt_text import prompt_text
 
 HASHER = PrefixHasher(block_chars=8, max_blocks=4)
 
@@ -50,10 +50,17 @@ def test_hashes_are_stable_across_processes():
     import sys
 
     text = "system prompt ü " * 40
-    code = ("from gateway.routing.prefix_index import PrefixHasher;"
-            f"print(PrefixHasher(8, 64).hashes({text!r}, 'm', 's'))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, env={"PYTHONHASHSEED": "123"}).stdout
+    code = (
+        "from kvgate.routing.prefix_index import PrefixHasher;"
+        f"print(PrefixHasher(8, 64).hashes({text!r}, 'm', 's'))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PYTHONHASHSEED": "123"},
+    ).stdout
     assert out.strip() == str(PrefixHasher(8, 64).hashes(text, "m", "s"))
 
 
@@ -64,7 +71,7 @@ def test_hashes_follow_the_documented_formula():
     crc, expected = seed & 0xFFFFFFFF, []
     data = text.encode()
     for k in range(len(data) // 64):
-        crc = zlib.crc32(data[64 * k:64 * (k + 1)], crc)
+        crc = zlib.crc32(data[64 * k : 64 * (k + 1)], crc)
         expected.append((seed >> 33) + k << 32 | crc)
     assert PrefixHasher(64, 1000).hashes(text, "m", "s") == expected
     assert all(0 <= h < 2**64 for h in expected)
@@ -79,8 +86,9 @@ def test_multibyte_text_is_cut_in_bytes_and_capped():
 
 def test_reusing_recent_prompts_gives_the_same_hashes_as_hashing_from_scratch():
     rng = random.Random(7)
-    systems = ["".join(rng.choice("abcü ") for _ in range(rng.randrange(40, 200)))
-               for _ in range(4)]
+    systems = [
+        "".join(rng.choice("abcü ") for _ in range(rng.randrange(40, 200))) for _ in range(4)
+    ]
     remembering, scratch = PrefixHasher(8, 40, recent=3), PrefixHasher(8, 40, recent=0)
     history = ""
     for step in range(300):
@@ -178,8 +186,18 @@ def test_the_rest_of_a_split_leaf_is_evicted_in_the_order_it_was_touched():
     blocks.record(list(range(100, 110)), now=1)
     blocks.record([*system, 20, 21], now=2)  # the old question's rest, touched at 0, goes last
     blocks.record(list(range(200, 210)), now=3)  # 32 blocks: two over
-    assert held(blocks) == set(range(100, 110)) | set(range(200, 210)) | {1, 2, 3, 4, 5, 10,
-                                                                           11, 12, 20, 21}
+    assert held(blocks) == set(range(100, 110)) | set(range(200, 210)) | {
+        1,
+        2,
+        3,
+        4,
+        5,
+        10,
+        11,
+        12,
+        20,
+        21,
+    }
     blocks.record(list(range(300, 304)), now=4)  # four more: the rest of the old question first
     assert not held(blocks) & {10, 11, 12} and {100, 101, 102}.issubset(held(blocks))
     assert blocks.depth(system + old_question, now=4) == 5 and len(blocks) == 30
@@ -226,8 +244,9 @@ class BlockLru:
         for block_hash in reversed(chain):
             self.touched[block_hash] = now
             self.touched.move_to_end(block_hash)
-        while self.touched and (len(self.touched) > self.capacity
-                                or next(iter(self.touched.values())) < now - self.ttl):
+        while self.touched and (
+            len(self.touched) > self.capacity or next(iter(self.touched.values())) < now - self.ttl
+        ):
             self.touched.popitem(last=False)
 
     def depth(self, chain: list[int], now: float) -> int:
@@ -235,9 +254,10 @@ class BlockLru:
         return fresh.index(False) if False in fresh else len(fresh)
 
 
-@pytest.mark.parametrize(("seed", "capacity", "recent"),
-                         [(1, 20, 0), (2, 60, 0), (3, 300, 0), (4, 20, 8), (5, 60, 8),
-                          (6, 300, 8)])
+@pytest.mark.parametrize(
+    ("seed", "capacity", "recent"),
+    [(1, 20, 0), (2, 60, 0), (3, 300, 0), (4, 20, 8), (5, 60, 8), (6, 300, 8)],
+)
 def test_the_tree_answers_like_an_lru_of_single_blocks(seed, capacity, recent):
     """Prompts that walk a tree of shared fragments (splits, prefixes of earlier prompts,
     extensions), with evictions and expiry, given to the tree as unhashed prompt chains (some
@@ -267,8 +287,9 @@ def test_the_tree_answers_like_an_lru_of_single_blocks(seed, capacity, recent):
     for step in range(2000):
         now += rng.random()
         probe, text = prompt(), prompt()
-        assert (tree.depth(hasher.chain(probe, "m"), now)
-                == reference.depth(scratch.hashes(probe, "m"), now)), step
+        assert tree.depth(hasher.chain(probe, "m"), now) == reference.depth(
+            scratch.hashes(probe, "m"), now
+        ), step
         tree.record(hasher.chain(text, "m"), now)
         reference.record(scratch.hashes(text, "m"), now)
         assert len(tree) == len(reference.touched), step
@@ -291,8 +312,9 @@ def test_a_prompt_nobody_holds_is_routed_and_recorded_on_its_first_block_alone()
     assert index.match(other, now=2) == {"a": 11}
     index.record("a", other, now=2)  # turns inside the leaf: both are hashed, the leaf splits
     assert other.hashed and index._blocks["a"].unhashed == 0
-    assert index.match(hasher.chain("conversation turn one " * 8 + "and the second turn",
-                                    "m"), now=3) == {"a": len(second)}
+    assert index.match(
+        hasher.chain("conversation turn one " * 8 + "and the second turn", "m"), now=3
+    ) == {"a": len(second)}
 
 
 def test_a_prompt_chain_gives_the_hashes_of_its_text():
@@ -304,8 +326,7 @@ def test_a_prompt_chain_gives_the_hashes_of_its_text():
     assert list(chain[:5]) == expected[:5] and not chain.hashed  # a shorter unhashed chain
     assert chain[-1] == expected[-1] and chain.hashed and list(chain) == expected
     again = hasher.chain(text[:40] + "zzzzzzzz" * 5, "m", "s")  # reuses the first 5 blocks
-    assert list(again) == PrefixHasher(8, 40, recent=0).hashes(text[:40] + "zzzzzzzz" * 5,
-                                                                "m", "s")
+    assert list(again) == PrefixHasher(8, 40, recent=0).hashes(text[:40] + "zzzzzzzz" * 5, "m", "s")
 
 
 def test_loading_a_snapshot_over_leaves_keeps_every_block_once():
@@ -429,11 +450,10 @@ def test_match_gives_each_endpoint_its_own_depth_whoever_recorded_first(order):
     chain = list(range(100, 108))
     held = {"a": 3, "b": 1, "c": 3, "d": 5, "e": 8, "f": 0}
     for name in order:
-        index.record(name, chain[:held[name]])
+        index.record(name, chain[: held[name]])
     index.record("f", [1, 2, 3])
     assert index.match(chain) == {name: depth for name, depth in held.items() if depth}
-    assert index.match(chain[:3]) == {name: min(depth, 3) for name, depth in held.items()
-                                      if depth}
+    assert index.match(chain[:3]) == {name: min(depth, 3) for name, depth in held.items() if depth}
 
 
 def test_match_follows_a_leaf_that_starts_where_another_holder_stops():
@@ -459,14 +479,20 @@ def test_memory_stays_bounded_under_many_prompts():
     assert index.evictions("a") == recorded - index.entries("a")  # all prompts distinct
     singles, leaves, in_leaves = index._blocks["a"].sizes()
     assert singles == 0 and in_leaves == 1000 and leaves == math.ceil(1000 / len(hashes))
-    assert index.memory_bytes == (leaves * BYTES_PER_LEAF + 1000 * BYTES_PER_LEAF_BLOCK
-                                  + 300 * BYTES_PER_ROOT)
+    assert index.memory_bytes == (
+        leaves * BYTES_PER_LEAF + 1000 * BYTES_PER_LEAF_BLOCK + 300 * BYTES_PER_ROOT
+    )
 
 
 def test_prompt_text_is_prefix_preserving_across_turns():
     turn1 = {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "Q1"}]}
-    turn2 = {"messages": [*turn1["messages"], {"role": "assistant", "content": "A1"},
-                          {"role": "user", "content": [{"type": "text", "text": "Q2"}]}]}
+    turn2 = {
+        "messages": [
+            *turn1["messages"],
+            {"role": "assistant", "content": "A1"},
+            {"role": "user", "content": [{"type": "text", "text": "Q2"}]},
+        ]
+    }
     assert prompt_text(turn2).startswith(prompt_text(turn1))
     assert prompt_text({"prompt": "abc"}) == "abc"
     assert prompt_text({"prompt": ["abc", "def"]}) == "abc"

@@ -12,7 +12,7 @@ import httpx
 import orjson
 import pytest
 
-from gateway.sim import EngineOptions, SimFleet
+from kvgate.sim import EngineOptions, SimFleet
 from tests.conftest import gateway_config
 from tests.servers import ServerThread
 
@@ -20,9 +20,14 @@ SYSTEM = "You are the support assistant of a bicycle shop; answer briefly and ki
 
 
 def _chat(question: str, **extra: Any) -> dict[str, Any]:
-    return {"model": "sim-model", "stream": True, "max_tokens": 400, "ignore_eos": True,
-            "messages": [{"role": "system", "content": SYSTEM},
-                         {"role": "user", "content": question}], **extra}
+    return {
+        "model": "sim-model",
+        "stream": True,
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        **extra,
+    }
 
 
 def _wait(predicate, timeout: float = 10.0) -> None:
@@ -43,8 +48,9 @@ def test_shared_prefix_lands_on_one_engine_until_it_saturates_then_spills(start_
             streams, chosen = [], []
             try:
                 for i in range(5):
-                    stream = client.stream("POST", "/v1/chat/completions",
-                                           json=_chat(f"Question {i}?"))
+                    stream = client.stream(
+                        "POST", "/v1/chat/completions", json=_chat(f"Question {i}?")
+                    )
                     response = stream.__enter__()
                     streams.append(stream)
                     assert response.status_code == 200
@@ -59,10 +65,17 @@ def test_shared_prefix_lands_on_one_engine_until_it_saturates_then_spills(start_
                         stream.__exit__(None, None, None)
         assert chosen[0] == chosen[1] == chosen[2]
         assert chosen[3] != chosen[0] and chosen[4] == chosen[3]
-        _wait(lambda: all(e.inflight == 0 and e.decoding == 0 and e.prefill_tokens == 0
-                          for e in app.fleet.endpoints))
-        again = httpx.post(server.url + "/v1/chat/completions", timeout=30,
-                           json={**_chat("Once more?"), "stream": False, "max_tokens": 2})
+        _wait(
+            lambda: all(
+                e.inflight == 0 and e.decoding == 0 and e.prefill_tokens == 0
+                for e in app.fleet.endpoints
+            )
+        )
+        again = httpx.post(
+            server.url + "/v1/chat/completions",
+            timeout=30,
+            json={**_chat("Once more?"), "stream": False, "max_tokens": 2},
+        )
         assert again.headers["x-kvgate-endpoint"] in (chosen[0], chosen[3])
         cached = again.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert cached > 0  # the engine really held the prefix the gateway routed to
@@ -86,17 +99,35 @@ class MetricsUpstream:
         path, status, body = scope["path"], 200, b"{}"
         if path == "/metrics":
             status = 200 if self.metrics_up else 503
-            body = (b"vllm:num_requests_running{engine=\"0\"} 0\n"
-                    b"vllm:num_requests_waiting{engine=\"0\"} 0\n")
+            body = (
+                b'vllm:num_requests_running{engine="0"} 0\n'
+                b'vllm:num_requests_waiting{engine="0"} 0\n'
+            )
         elif path == "/v1/models":
             body = orjson.dumps({"object": "list", "data": [{"id": "m1", "object": "model"}]})
         elif path == "/v1/chat/completions":
             self.requests += 1
-            body = orjson.dumps({"id": "c", "object": "chat.completion", "model": "m1",
-                                 "choices": [{"index": 0, "finish_reason": "stop",
-                                              "message": {"role": "assistant", "content": "ok"}}]})
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json")]})
+            body = orjson.dumps(
+                {
+                    "id": "c",
+                    "object": "chat.completion",
+                    "model": "m1",
+                    "choices": [
+                        {
+                            "index": 0,
+                            "finish_reason": "stop",
+                            "message": {"role": "assistant", "content": "ok"},
+                        }
+                    ],
+                }
+            )
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 
@@ -104,8 +135,9 @@ class MetricsUpstream:
 def test_endpoint_whose_metrics_stop_answering_follows_the_stale_policy(start_gateway, policy):
     engines = [MetricsUpstream(), MetricsUpstream()]
     with ServerThread(engines[0]) as a, ServerThread(engines[1]) as b:
-        app, server = start_gateway(gateway_config(
-            [a.url, b.url], routing={"scrape_interval": 0.1, "stale_policy": policy}))
+        app, server = start_gateway(
+            gateway_config([a.url, b.url], routing={"scrape_interval": 0.1, "stale_policy": policy})
+        )
         body = {"model": "m1", "messages": [{"role": "user", "content": SYSTEM}]}
 
         def route() -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.routing.telemetry import TelemetryParseError, parse_metrics
+from kvgate.routing.telemetry import TelemetryParseError, parse_metrics
 from tests.routing.samples import SGLANG, VLLM_V0, VLLM_V1_DP2
 
 
@@ -35,11 +35,12 @@ def test_sglang_names():
 
 
 def test_simulator_exposition_parses_for_both_flavours():
-    from gateway.sim import EngineOptions, SimFleet
+    from kvgate.sim import EngineOptions, SimFleet
 
     for flavor in ("vllm", "sglang"):
-        with SimFleet.in_thread(engines=1, options=EngineOptions(
-                flavor=flavor, profile="fast", kv_blocks=500)) as fleet:
+        with SimFleet.in_thread(
+            engines=1, options=EngineOptions(flavor=flavor, profile="fast", kv_blocks=500)
+        ) as fleet:
             import httpx
 
             text = httpx.get(fleet.urls[0] + "/metrics").text
@@ -47,17 +48,20 @@ def test_simulator_exposition_parses_for_both_flavours():
         assert (t.block_size, t.num_blocks) == (16, 500)
 
 
-@pytest.mark.parametrize("body", ["", "# only comments\n", '{"object": "list"}',
-                                  "other_metric 1.0\n"])
+@pytest.mark.parametrize(
+    "body", ["", "# only comments\n", '{"object": "list"}', "other_metric 1.0\n"]
+)
 def test_a_body_without_engine_metrics_is_an_error(body):
     with pytest.raises(TelemetryParseError):
         parse_metrics(body, 0.0)
 
 
 def test_escaped_label_values_and_nan_are_tolerated():
-    text = ('vllm:cache_config_info{note="a \\"quoted\\", value",block_size="32",'
-            'num_gpu_blocks="10"} 1\n'
-            'vllm:num_requests_waiting{engine="0"} NaN\n'
-            'vllm:num_requests_running{engine="0"} 2\n')
+    text = (
+        'vllm:cache_config_info{note="a \\"quoted\\", value",block_size="32",'
+        'num_gpu_blocks="10"} 1\n'
+        'vllm:num_requests_waiting{engine="0"} NaN\n'
+        'vllm:num_requests_running{engine="0"} 2\n'
+    )
     t = parse_metrics(text, 0.0)
     assert (t.block_size, t.num_blocks, t.waiting, t.running) == (32, 10, 0.0, 2.0)

@@ -4,7 +4,7 @@ import httpx
 import orjson
 import pytest
 
-from gateway.sim import EngineOptions, SimFleet
+from kvgate.sim import EngineOptions, SimFleet
 
 from .helpers import content_of, read_stream
 

@@ -8,7 +8,7 @@ import httpx
 import orjson
 import pytest
 
-from gateway.sim import EngineOptions, SimFleet
+from kvgate.sim import EngineOptions, SimFleet
 
 from .helpers import chat_body, content_of, read_stream
 

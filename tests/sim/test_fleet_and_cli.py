@@ -8,12 +8,12 @@ import sys
 
 import httpx
 
-import gateway.sim
-from gateway.sim import EngineOptions, SimFleet
+import kvgate.sim
+from kvgate.sim import EngineOptions, SimFleet
 
 
 def test_public_surface_is_pinned():
-    assert gateway.sim.__all__ == [
+    assert kvgate.sim.__all__ == [
         "FAULT_MODES",
         "PROFILES",
         "EngineOptions",
@@ -72,7 +72,7 @@ def test_in_thread_fleet_serves_blocking_clients_and_clears_faults():
 
 def test_cli_prints_one_line_per_engine_and_stops_on_sigint():
     code = (
-        "import argparse, sys; from gateway.sim import cli; p = argparse.ArgumentParser(); "
+        "import argparse, sys; from kvgate.sim import cli; p = argparse.ArgumentParser(); "
         "cli.add_arguments(p); sys.exit(cli.run(p.parse_args(sys.argv[1:])))"
     )
     process = subprocess.Popen(

@@ -5,7 +5,7 @@ import contextlib
 
 import httpx
 
-from gateway.sim import EngineOptions, SimFleet
+from kvgate.sim import EngineOptions, SimFleet
 
 from .helpers import LONG_TEXT, chat_body, read_stream
 

@@ -5,7 +5,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.sim import EngineOptions, SimFleet
+from kvgate.sim import EngineOptions, SimFleet
 
 from .helpers import LONG_TEXT, chat_body
 
@@ -196,8 +196,9 @@ async def test_role_chunk_leaves_with_the_first_token_as_on_vllm():
     options = EngineOptions(profile="realistic", speed=4)
     async with SimFleet(engines=1, options=options) as fleet, httpx.AsyncClient() as client:
         body = chat_body(LONG_TEXT, max_tokens=3)
-        async with client.stream("POST", fleet.urls[0] + "/v1/chat/completions",
-                                 json={**body, "stream": True}) as response:
+        async with client.stream(
+            "POST", fleet.urls[0] + "/v1/chat/completions", json={**body, "stream": True}
+        ) as response:
             first = await anext(response.aiter_raw())
     assert b'"role":"assistant"' in first
     assert first.count(b"data: ") >= 2  # the role chunk and the first token, together

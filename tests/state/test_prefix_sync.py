@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from gateway.routing.prefix_index import PrefixHasher
-from gateway.state.memory import MemoryStore
-from gateway.state.prefix_sync import SharedPrefixIndex, decode_delta, encode_delta
-from gateway.state.redis_store import RedisStore, RedisStoreSettings
+from kvgate.routing.prefix_index import PrefixHasher
+from kvgate.state.memory import MemoryStore
+from kvgate.state.prefix_sync import SharedPrefixIndex, decode_delta, encode_delta
+from kvgate.state.redis_store import RedisStore, RedisStoreSettings
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -32,8 +32,12 @@ def test_snapshot_restores_entries_with_their_age():
 
 
 async def test_decisions_on_one_replica_are_matched_on_the_others(redis_server):
-    stores = [RedisStore(RedisStoreSettings(url=redis_server.url, prefix="ps", op_timeout=0.5,
-                                            read_block=0.1)) for _ in range(3)]
+    stores = [
+        RedisStore(
+            RedisStoreSettings(url=redis_server.url, prefix="ps", op_timeout=0.5, read_block=0.1)
+        )
+        for _ in range(3)
+    ]
     indexes = [SharedPrefixIndex(store) for store in stores]
     for store in stores:
         await store.start()

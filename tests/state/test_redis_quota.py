@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from gateway.chain.quotas import QuotaExceeded, QuotaTooSmall
-from gateway.chain.settings import LimitsConfig
-from gateway.state.redis_link import RedisLink
-from gateway.state.redis_quota import RedisQuotaStore
+from kvgate.chain.quotas import QuotaExceeded, QuotaTooSmall
+from kvgate.chain.settings import LimitsConfig
+from kvgate.state.redis_link import RedisLink
+from kvgate.state.redis_quota import RedisQuotaStore
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -48,8 +48,10 @@ def test_three_processes_hammering_one_tenant_never_overshoot(redis_server):
     rpm, seconds = 600, 3.0
     context = multiprocessing.get_context("spawn")
     results: multiprocessing.Queue = context.Queue()
-    procs = [context.Process(target=_process, args=(redis_server.url, rpm, seconds, results))
-             for _ in range(3)]
+    procs = [
+        context.Process(target=_process, args=(redis_server.url, rpm, seconds, results))
+        for _ in range(3)
+    ]
     started = time.monotonic()
     for proc in procs:
         proc.start()

@@ -8,9 +8,9 @@ from collections.abc import Callable
 
 import pytest
 
-from gateway.state.memory import MemoryStore
-from gateway.state.redis_store import RedisStore, RedisStoreSettings
-from gateway.state.store import EndpointLoad
+from kvgate.state.memory import MemoryStore
+from kvgate.state.redis_store import RedisStore, RedisStoreSettings
+from kvgate.state.store import EndpointLoad
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -32,8 +32,11 @@ class SetView:
 
 
 def _store(url: str, view: SetView, prefix: str, **kw: float) -> RedisStore:
-    store = RedisStore(RedisStoreSettings(url=url, prefix=prefix, heartbeat_interval=0.1,
-                                          read_block=0.1, op_timeout=0.5, **kw))
+    store = RedisStore(
+        RedisStoreSettings(
+            url=url, prefix=prefix, heartbeat_interval=0.1, read_block=0.1, op_timeout=0.5, **kw
+        )
+    )
     store.share("set", view.apply, view.snapshot, view.restore)
     return store
 
@@ -66,14 +69,19 @@ async def test_load_heartbeats_sum_over_live_peers_and_expire(redis_server):
     seen: list[dict[str, EndpointLoad]] = []
     stores[0].report_load(dict, lambda peers: seen.append(dict(peers)))
     stores[1].report_load(lambda: {"pool-0": EndpointLoad(2, 100)}, lambda peers: None)
-    stores[2].report_load(lambda: {"pool-0": EndpointLoad(3, 50), "pool-1": EndpointLoad(1, 7)},
-                          lambda peers: None)
+    stores[2].report_load(
+        lambda: {"pool-0": EndpointLoad(3, 50), "pool-1": EndpointLoad(1, 7)}, lambda peers: None
+    )
     for store in stores:
         await store.start()
     try:
         await _eventually(lambda: stores[0].replicas == 3)
-        await _eventually(lambda: stores[0].peer_load() == {
-            "pool-0": EndpointLoad(5, 150), "pool-1": EndpointLoad(1, 7)})
+        await _eventually(
+            lambda: (
+                stores[0].peer_load()
+                == {"pool-0": EndpointLoad(5, 150), "pool-1": EndpointLoad(1, 7)}
+            )
+        )
         await _eventually(lambda: stores[1].peer_load().get("pool-0") == EndpointLoad(3, 50))
         assert {"pool-0": EndpointLoad(5, 150), "pool-1": EndpointLoad(1, 7)} in seen
         await stores[2].stop()

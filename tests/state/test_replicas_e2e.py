@@ -15,7 +15,7 @@ import openai
 import pytest
 import yaml
 
-from gateway.sim import EngineOptions, SimFleet
+from kvgate.sim import EngineOptions, SimFleet
 from tests.redis_server import RedisServer
 from tests.sdk_clients import sdk_client
 from tests.test_cli import _free_port, _stop, _wait_ready
@@ -26,22 +26,35 @@ SECRET = "s3cret-for-tests"
 KEY = f"load-1.{SECRET}"
 
 
-def _config(path: Path, urls: list[str], port: int, redis_url: str | None,
-            rpm: int | None = None) -> Path:
+def _config(
+    path: Path, urls: list[str], port: int, redis_url: str | None, rpm: int | None = None
+) -> Path:
     tenant: dict[str, object] = {
-        "name": "load", "tier": "gold",
-        "keys": [{"id": "load-1", "sha256": hashlib.sha256(SECRET.encode()).hexdigest()}]}
+        "name": "load",
+        "tier": "gold",
+        "keys": [{"id": "load-1", "sha256": hashlib.sha256(SECRET.encode()).hexdigest()}],
+    }
     if rpm is not None:
         tenant["limits"] = {"requests_per_minute": rpm}
     config: dict[str, object] = {
         "server": {"host": "127.0.0.1", "port": port, "access_log": False},
         "auth": {"tenants": [tenant]},
-        "pools": [{"name": "sim", "engine": "vllm", "models": ["sim-model"],
-                   "endpoints": [{"url": u} for u in urls]}],
+        "pools": [
+            {
+                "name": "sim",
+                "engine": "vllm",
+                "models": ["sim-model"],
+                "endpoints": [{"url": u} for u in urls],
+            }
+        ],
     }
     if redis_url is not None:
-        config["state"] = {"backend": "redis", "url": redis_url, "heartbeat_interval": 0.2,
-                           "op_timeout": 0.5}
+        config["state"] = {
+            "backend": "redis",
+            "url": redis_url,
+            "heartbeat_interval": 0.2,
+            "op_timeout": 0.5,
+        }
     path.write_text(yaml.safe_dump(config))
     return path
 
@@ -49,23 +62,36 @@ def _config(path: Path, urls: list[str], port: int, redis_url: str | None,
 class Gateways:
     """`count` kvgate processes over the same fleet, each on its own port."""
 
-    def __init__(self, tmp: Path, urls: list[str], count: int, redis_url: str | None,
-                 rpm: int | None = None) -> None:
+    def __init__(
+        self, tmp: Path, urls: list[str], count: int, redis_url: str | None, rpm: int | None = None
+    ) -> None:
         self.bases: list[str] = []
         self.procs: list[subprocess.Popen[bytes]] = []
         for i in range(count):
             port = _free_port()
             config = _config(tmp / f"gw{i}.yaml", urls, port, redis_url, rpm)
-            self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config),
-                 "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+            self.procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "kvgate.cli",
+                        "serve",
+                        "--config",
+                        str(config),
+                        "--log-level",
+                        "warning",
+                    ],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                )
+            )
             self.bases.append(f"http://127.0.0.1:{port}")
         for base, proc in zip(self.bases, self.procs, strict=True):
             _wait_ready(base, proc)
 
     def clients(self) -> list[openai.OpenAI]:
-        return [sdk_client(base_url=b + "/v1", api_key=KEY, max_retries=0)
-                for b in self.bases]
+        return [sdk_client(base_url=b + "/v1", api_key=KEY, max_retries=0) for b in self.bases]
 
     def stop(self) -> None:
         for proc in self.procs:
@@ -90,9 +116,13 @@ def _shared_prefix_hit_rate(clients: list[openai.OpenAI]) -> float:
         for question, group in jobs[index::3]:
             system = f"You are assistant number {group}. " + f"Rule {group}: be precise. " * 120
             answer = client.chat.completions.create(
-                model="sim-model", max_tokens=4,
-                messages=[{"role": "system", "content": system},
-                          {"role": "user", "content": f"Question {question} for {group}?"}])
+                model="sim-model",
+                max_tokens=4,
+                messages=[
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": f"Question {question} for {group}?"},
+                ],
+            )
             assert answer.usage is not None
             prompt_tokens += answer.usage.prompt_tokens
             details = answer.usage.prompt_tokens_details
@@ -107,8 +137,9 @@ def _shared_prefix_hit_rate(clients: list[openai.OpenAI]) -> float:
 def _fleet(speed: float = 50) -> SimFleet:
     """Four engines. Replicas share load every few tens of milliseconds, so a test of routing
     quality runs the engines slowly enough that requests outlast that (speed 5: tens of ms)."""
-    return SimFleet.in_thread(engines=4, options=EngineOptions(profile="realistic", speed=speed,
-                                                              kv_blocks=2000))
+    return SimFleet.in_thread(
+        engines=4, options=EngineOptions(profile="realistic", speed=speed, kv_blocks=2000)
+    )
 
 
 def test_three_replicas_keep_the_prefix_hit_rate_of_one(tmp_path, redis):
@@ -138,10 +169,15 @@ def test_quota_is_exact_across_three_replicas(tmp_path, redis):
 
             def call(i: int) -> int:
                 return httpx.post(
-                    gateways.bases[i % 3] + "/v1/chat/completions", timeout=30,
+                    gateways.bases[i % 3] + "/v1/chat/completions",
+                    timeout=30,
                     headers={"authorization": f"Bearer {KEY}"},
-                    json={"model": "sim-model", "max_tokens": 2,
-                          "messages": [{"role": "user", "content": "hi"}]}).status_code
+                    json={
+                        "model": "sim-model",
+                        "max_tokens": 2,
+                        "messages": [{"role": "user", "content": "hi"}],
+                    },
+                ).status_code
 
             with concurrent.futures.ThreadPoolExecutor(12) as pool:
                 statuses = list(pool.map(call, range(90)))
@@ -161,8 +197,10 @@ def test_killing_redis_under_load_fails_no_request(tmp_path, redis):
 
             def call(i: int) -> str:
                 reply = clients[i % 3].chat.completions.create(
-                    model="sim-model", max_tokens=4,
-                    messages=[{"role": "user", "content": f"request {i % 7}"}])
+                    model="sim-model",
+                    max_tokens=4,
+                    messages=[{"role": "user", "content": f"request {i % 7}"}],
+                )
                 return reply.choices[0].finish_reason or ""
 
             with concurrent.futures.ThreadPoolExecutor(6) as pool:
@@ -186,16 +224,20 @@ def test_killing_redis_under_load_fails_no_request(tmp_path, redis):
 
 def _resynced(metrics: str) -> bool:
     """Connected to Redis again, and resynced at least twice: at start and after the loss."""
-    resyncs = next(line for line in metrics.splitlines()
-                   if line.startswith("kvgate_state_resyncs_total"))
+    resyncs = next(
+        line for line in metrics.splitlines() if line.startswith("kvgate_state_resyncs_total")
+    )
     return "kvgate_state_redis_connected 1.0" in metrics and float(resyncs.split()[-1]) >= 2
 
 
 def test_workers_with_memory_state_refuse_to_start(tmp_path):
     config = _config(tmp_path / "memory.yaml", ["http://127.0.0.1:9"], _free_port(), None)
-    result = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--config",
-                             str(config), "--workers", "2"], capture_output=True, text=True,
-                            timeout=30)
+    result = subprocess.run(
+        [sys.executable, "-m", "kvgate.cli", "serve", "--config", str(config), "--workers", "2"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert result.returncode == 1
     assert "--workers 2 needs shared state" in result.stderr
 
@@ -204,17 +246,32 @@ def test_workers_are_full_replicas_sharing_redis(tmp_path, redis):
     with _fleet() as fleet:
         port = _free_port()
         config = _config(tmp_path / "workers.yaml", list(fleet.urls), port, redis.url)
-        proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config",
-                                 str(config), "--workers", "2", "--log-level", "warning"],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvgate.cli",
+                "serve",
+                "--config",
+                str(config),
+                "--workers",
+                "2",
+                "--log-level",
+                "warning",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
         try:
             base = f"http://127.0.0.1:{port}"
             _wait_ready(base, proc)
             client = sdk_client(base_url=base + "/v1", api_key=KEY, max_retries=0)
             for i in range(6):
                 reply = client.chat.completions.create(
-                    model="sim-model", max_tokens=3,
-                    messages=[{"role": "user", "content": f"hello {i}"}])
+                    model="sim-model",
+                    max_tokens=3,
+                    messages=[{"role": "user", "content": f"hello {i}"}],
+                )
                 assert reply.choices[0].message.content
             deadline = time.monotonic() + 15
             while "kvgate_state_replicas 2.0" not in httpx.get(base + "/metrics").text:

@@ -1,0 +1,254 @@
+"""The gateway as one ASGI application, assembled from a Config.
+
+Inference routes are plain ASGI (the hot path); the few operational routes answer small JSON or
+text bodies. The upstream client and the health monitor live from lifespan startup to shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import gc
+import logging
+import os
+import time
+from collections.abc import Mapping
+
+import orjson
+
+from kvgate.asgi import JSON, Receive, Scope, Send, send_bytes, send_error
+from kvgate.chain.admin import AdminRoutes
+from kvgate.chain.admission import AdmissionController, AdmissionStage
+from kvgate.chain.auth import AuthStage
+from kvgate.chain.classify import Classifier, ClassifyStage
+from kvgate.chain.pipeline import RequestChain
+from kvgate.chain.tenants import TenantDirectory
+from kvgate.config import Config
+from kvgate.errors import KvgateError, MethodNotAllowed, NotFound
+from kvgate.ingress import INFERENCE_ROUTES, ClientGone, parse_payload, read_body
+from kvgate.observability.access_log import AccessLog
+from kvgate.observability.metrics import GatewayMetrics
+from kvgate.observability.resilience import BreakerStateCollector, ResilienceMetrics
+from kvgate.observability.state import StateCollector
+from kvgate.routing.endpoints import Fleet, build_pool
+from kvgate.routing.health import HealthMonitor
+from kvgate.routing.metrics import RoutingCollector
+from kvgate.routing.picker import PickStage, RoutingServices, build_router
+from kvgate.routing.prefix_index import PrefixIndex
+from kvgate.routing.telemetry import TelemetryScraper
+from kvgate.state import EndpointLoad, build_store
+from kvgate.state.prefix_sync import SharedPrefixIndex
+from kvgate.types import RequestContext
+from kvgate.upstream.client import build_upstream_client
+from kvgate.upstream.headers import request_id_from
+from kvgate.upstream.relay import Forwarder
+from kvgate.upstream.resilience import Resilience
+from kvgate.upstream.transport import UpstreamTransport
+
+log = logging.getLogger("kvgate")
+
+_STARTUP_PROBE_SECONDS = 3.0
+_OPERATIONAL_ROUTES = frozenset({"/v1/models", "/healthz", "/readyz", "/metrics"})
+_PROMETHEUS = b"text/plain; version=0.0.4; charset=utf-8"
+
+
+class GatewayApp:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.fleet = Fleet(build_pool(p, config.routing) for p in config.pools)
+        self.store = build_store(config.state)
+        self.routing = RoutingServices.from_config(
+            config.routing,
+            functools.partial(SharedPrefixIndex, self.store)
+            if config.state.backend == "redis"
+            else PrefixIndex,
+        )
+        self.routing.index.add_endpoints(e.name for e in self.fleet.endpoints)
+        self.picker = build_router(config, self.fleet, self.routing)
+        self.metrics = GatewayMetrics(self.fleet)
+        self.metrics.registry.register(RoutingCollector(self.fleet, self.routing))
+        self.metrics.registry.register(StateCollector(self.store, self.fleet))
+        self.access_log = AccessLog(enabled=config.server.access_log)
+        self.tenants = TenantDirectory(config.auth, config.tiers)
+        self.classifier = Classifier(config.classification)
+        self.admission = AdmissionController(
+            self.fleet, self.store.quotas, self.classifier, config.admission, self.metrics
+        )
+        self.admin = AdminRoutes(self.tenants, self.classifier, self.admission)
+        # httpx for the control plane (health, discovery, telemetry); aiohttp for the data path.
+        self.client = build_upstream_client(config.upstream, config.timeouts)
+        self.transport = UpstreamTransport(config.upstream, config.timeouts.connect)
+        # Breakers on every endpoint, retry budgets and throttles per pool (docs/resilience.md).
+        self.resilience = Resilience(config, self.fleet, ResilienceMetrics(self.metrics.registry))
+        self.metrics.registry.register(BreakerStateCollector(self.resilience))
+        self.health = HealthMonitor(
+            self.fleet, self.client, config.health, on_recovered=self.resilience.health_recovered
+        )
+        self.telemetry = TelemetryScraper(
+            self.fleet,
+            self.client,
+            config.routing.scrape_interval,
+            config.routing.scrape_timeout,
+            self.routing.size_index,
+        )
+        self.chain = RequestChain(
+            stages=[
+                AuthStage(self.tenants),  # 401 / 403; tenant, cache salt
+                ClassifyStage(self.classifier),  # Intent: class, deadline, priority
+                AdmissionStage(self.admission),  # 429 quotas; waits or 503 when saturated
+                PickStage(self.picker),
+            ],
+            forward=Forwarder(
+                self.transport,
+                config.timeouts,
+                config.upstream.max_error_body_bytes,
+                self.resilience,
+                picker=self.picker,
+            ),
+            settle=self._settle,
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            route = INFERENCE_ROUTES.get(scope["path"])
+            if route is not None:
+                await self._inference(route, scope, receive, send)
+            elif scope["path"].startswith("/admin/"):
+                await self.admin(scope, receive, send)
+            else:
+                await self._operational(scope, send)
+        elif scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+
+    async def startup(self) -> None:
+        if self.config.auth is None:
+            log.warning(
+                "NO AUTHENTICATION: the config has no 'auth:' section, so every client "
+                "is served as the anonymous tenant. Add tenants with API keys, or write "
+                "'auth: none' to make an open gateway explicit."
+            )
+        try:
+            async with asyncio.timeout(_STARTUP_PROBE_SECONDS):
+                await asyncio.gather(self.health.check_once(), self.telemetry.scrape_once())
+        except TimeoutError:
+            log.warning("initial health probe did not finish in %.0f s", _STARTUP_PROBE_SECONDS)
+        self.health.start()
+        self.telemetry.start()
+        self.store.report_load(self._local_load, self._apply_peer_load)
+        await self.store.start()
+        # What exists now lives as long as the gateway: keep the collector from walking it on
+        # every full collection (the prefix index alone can hold millions of entries).
+        gc.collect()
+        gc.freeze()
+
+    async def shutdown(self) -> None:
+        gc.unfreeze()
+        await self.admission.stop()
+        await self.store.stop()
+        await self.telemetry.stop()
+        await self.health.stop()
+        await self.client.aclose()
+        await self.transport.aclose()
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await self.startup()
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _inference(self, route: str, scope: Scope, receive: Receive, send: Send) -> None:
+        started = time.perf_counter()
+        headers = scope["headers"]
+        request_id = request_id_from(headers)
+        try:
+            if scope["method"] != "POST":
+                raise MethodNotAllowed(
+                    f"{scope['method']} is not allowed on {scope['path']}; use POST",
+                    code="method_not_allowed",
+                )
+            body = await read_body(headers, receive, self.config.server.max_body_bytes)
+            payload, model, stream = parse_payload(route, body)
+        except ClientGone:
+            return
+        except KvgateError as error:
+            extra = [(b"x-request-id", request_id.encode())]
+            if isinstance(error, MethodNotAllowed):
+                extra.append((b"allow", b"POST"))
+            await send_error(send, error, extra)
+            self.metrics.observe_rejected(route, error.status, str(error.code))
+            self.access_log.rejected(request_id, route, error)
+            return
+        ctx = RequestContext(
+            request_id=request_id,
+            route=route,
+            upstream_path=scope["path"],
+            client_headers=headers,
+            body=body,
+            payload=payload,
+            model=model,
+            stream=stream,
+            started=started,
+        )
+        await self.chain.handle(ctx, receive, send)
+
+    def _local_load(self) -> dict[str, EndpointLoad]:
+        return {e.name: EndpointLoad(e.inflight, e.prefill_tokens) for e in self.fleet.endpoints}
+
+    def _apply_peer_load(self, peers: Mapping[str, EndpointLoad]) -> None:
+        none = EndpointLoad()
+        for endpoint in self.fleet.endpoints:
+            load = peers.get(endpoint.name, none)
+            endpoint.peer_inflight = load.inflight
+            endpoint.peer_queued_tokens = load.queued_tokens
+
+    def _settle(self, ctx: RequestContext) -> None:
+        self.metrics.observe(ctx)
+        self.access_log.finished(ctx)
+
+    async def _operational(self, scope: Scope, send: Send) -> None:
+        path = scope["path"]
+        if path not in _OPERATIONAL_ROUTES:
+            await send_error(
+                send, NotFound(f"Unknown route {scope['method']} {path}", code="unknown_url")
+            )
+            return
+        if scope["method"] not in ("GET", "HEAD"):
+            await send_error(
+                send,
+                MethodNotAllowed(f"{scope['method']} is not allowed on {path}; use GET"),
+                [(b"allow", b"GET")],
+            )
+            return
+        if path == "/v1/models":
+            data = [
+                {"id": m, "object": "model", "created": 0, "owned_by": "kvgate"}
+                for m in self.fleet.served_models()
+            ]
+            await send_bytes(send, 200, orjson.dumps({"object": "list", "data": data}), JSON)
+        elif path == "/healthz":
+            await send_bytes(send, 200, b'{"status":"ok"}', JSON)
+        elif path == "/readyz":
+            unready = self.fleet.unready_pools()
+            if unready:
+                body = {"status": "unready", "pools_without_healthy_endpoint": unready}
+                await send_bytes(send, 503, orjson.dumps(body), JSON)
+            else:
+                await send_bytes(send, 200, b'{"status":"ready"}', JSON)
+        else:
+            await send_bytes(send, 200, self.metrics.render(), _PROMETHEUS)
+
+
+CONFIG_ENV = "KVGATE_CONFIG"
+
+
+def app_from_env() -> GatewayApp:
+    """Factory for `kvgate serve --workers N`: each worker process loads the config file named
+    by $KVGATE_CONFIG and is a full replica with its own local state."""
+    from kvgate.config import load_config
+
+    return GatewayApp(load_config(os.environ[CONFIG_ENV]))

@@ -1,0 +1,100 @@
+"""Admin routes for the request chain, for operators holding an admin key.
+
+    GET  /admin/admission                          queue lengths, active and queued requests
+                                                   per tenant, open quota reservations
+    POST /admin/explain/v1/chat/completions?tenant=NAME   (or /v1/completions, /v1/embeddings)
+                                                   how a request would be classified: the
+                                                   matching rule, class, deadline, priority
+
+With `auth: none` (or no `auth:`) these routes are open like everything else.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import parse_qs
+
+import orjson
+
+from kvgate.asgi import JSON, Receive, Scope, Send, send_bytes, send_error
+from kvgate.chain.admission import AdmissionController
+from kvgate.chain.auth import Authenticator
+from kvgate.chain.classify import Classifier
+from kvgate.chain.intent import CLASSES_BY_RANK, request_priority
+from kvgate.chain.tenants import TenantDirectory
+from kvgate.errors import KvgateError, MethodNotAllowed, NotFound
+from kvgate.ingress import INFERENCE_ROUTES, ClientGone, parse_payload, read_body
+from kvgate.types import RequestContext
+
+_EXPLAIN = "/admin/explain"
+_MAX_EXPLAIN_BODY = 1024 * 1024
+
+
+class AdminRoutes:
+    def __init__(
+        self, directory: TenantDirectory, classifier: Classifier, admission: AdmissionController
+    ) -> None:
+        self.directory = directory
+        self.authenticator = Authenticator(directory)
+        self.classifier = classifier
+        self.admission = admission
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            if not self.directory.open:
+                self.authenticator.verify_admin(scope["headers"])
+            path, method = scope["path"], scope["method"]
+            if path == "/admin/admission":
+                if method != "GET":
+                    raise MethodNotAllowed(f"{method} is not allowed on {path}; use GET")
+                await send_bytes(send, 200, orjson.dumps(self._admission_state()), JSON)
+            elif path.startswith(_EXPLAIN) and path[len(_EXPLAIN) :] in INFERENCE_ROUTES:
+                if method != "POST":
+                    raise MethodNotAllowed(f"{method} is not allowed on {path}; use POST")
+                body = await self._explain(scope, receive, path[len(_EXPLAIN) :])
+                await send_bytes(send, 200, orjson.dumps(body), JSON)
+            else:
+                raise NotFound(f"Unknown route {method} {path}", code="unknown_url")
+        except ClientGone:
+            return
+        except KvgateError as error:
+            await send_error(send, error)
+
+    def _admission_state(self) -> dict[str, object]:
+        requests, tokens = self.admission.quotas.outstanding()
+        queue = self.admission.queue
+        return {
+            "queued": {name: queue.length(rank) for rank, name in enumerate(CLASSES_BY_RANK)},
+            "active_by_tenant": {t: n for t, n in self.admission.active.items() if n},
+            "queued_by_tenant": {t: n for t, n in self.admission.queued.items() if n},
+            "open_reservations": {"requests": requests, "tokens": tokens},
+        }
+
+    async def _explain(
+        self, scope: Scope, receive: Receive, inference_path: str
+    ) -> dict[str, object]:
+        body = await read_body(scope["headers"], receive, _MAX_EXPLAIN_BODY)
+        route = INFERENCE_ROUTES[inference_path]
+        payload, model, stream = parse_payload(route, body)
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        name = query.get("tenant", [None])[0]
+        tenant = self.directory.anonymous if name is None else self.directory.tenants.get(name)
+        if tenant is None:
+            raise NotFound(f"No tenant named '{name}'", param="tenant", code="unknown_tenant")
+        ctx = RequestContext(
+            request_id="explain",
+            route=route,
+            upstream_path=inference_path,
+            client_headers=scope["headers"],
+            body=body,
+            payload=payload,
+            model=model,
+            stream=stream,
+        )
+        intent = self.classifier.classify(ctx, tenant)
+        return {
+            "tenant": tenant.name,
+            "intent": intent.explain(),
+            "priority": request_priority(intent.latency_class, tenant.tier_priority),
+            "predicted_ttft_seconds": round(self.admission.predicted_ttft(model), 4),
+            "rules": [rule.name for rule in self.classifier.rules],
+        }

@@ -1,0 +1,131 @@
+"""The `auth` stage: who is asking, whether they may use this model, and tenant cache isolation.
+
+401 (authentication_error) for a missing, malformed, unknown, wrong or revoked key — unknown and
+wrong keys get the same answer after the same work (a dummy digest comparison for unknown ids),
+so response timing does not reveal which key ids exist. 403 (permission_error) for a valid key
+not allowed the requested model, or a tenant key on an admin route. Only key ids are logged.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import orjson
+
+from kvgate.chain.keys import digests_match, parse_key, secret_digest
+from kvgate.chain.tenants import KeyRecord, TenantDirectory
+from kvgate.errors import AuthenticationFailed, PermissionDenied
+from kvgate.routing.picker import EXPLAIN_REQUEST_HEADER
+from kvgate.types import Headers, RequestContext, header_value
+
+log = logging.getLogger("kvgate.auth")
+
+_BEARER = b"bearer "
+_DUMMY_DIGEST = secret_digest(b"kvgate-dummy-secret-for-unknown-key-ids")
+# Routes whose engines take vLLM's `cache_salt`; embeddings do not cache prefixes.
+_SALTED_ROUTES = frozenset({"chat", "completions"})
+
+
+ADMIN_KEY_HEADER = b"x-kvgate-admin-key"
+
+
+def _bearer_token(headers: Headers) -> bytes | None:
+    for name, value in headers:
+        if name == b"authorization":
+            if value[:7].lower() == _BEARER:
+                return value[7:].strip()
+            return b""
+    return None
+
+
+class Authenticator:
+    """Checks a presented key against the directory; the only place secrets are compared."""
+
+    def __init__(self, directory: TenantDirectory) -> None:
+        self.directory = directory
+
+    def verify(self, headers: Headers) -> KeyRecord:
+        """The key record of a valid, unrevoked key, or AuthenticationFailed."""
+        return self.verify_token(_bearer_token(headers))
+
+    def verify_token(self, token: bytes | None) -> KeyRecord:
+        """`verify` for a key already taken from its header (None: no key was sent)."""
+        if token is None:
+            raise AuthenticationFailed(
+                "No API key provided: send 'Authorization: Bearer <key>'", code="missing_api_key"
+            )
+        presented = parse_key(token)
+        if presented is None:
+            raise AuthenticationFailed(
+                "Malformed API key: expected '<key id>.<secret>'", code="invalid_api_key"
+            )
+        record = self.directory.keys.get(presented.key_id)
+        stored = record.digest if record is not None else _DUMMY_DIGEST
+        matches = digests_match(secret_digest(presented.secret), stored)
+        if record is None or not matches:
+            log.info("rejected API key id %s", presented.key_id)
+            raise AuthenticationFailed("Incorrect API key provided", code="invalid_api_key")
+        if record.revoked:
+            log.info("rejected revoked API key id %s", presented.key_id)
+            raise AuthenticationFailed("This API key has been revoked", code="revoked_api_key")
+        return record
+
+    def verify_admin(self, headers: Headers) -> KeyRecord:
+        """Like `verify`, and the key must be an admin key (403 otherwise)."""
+        record = self.verify(headers)
+        if record.tenant is not None:
+            raise PermissionDenied("This route needs an admin key", code="admin_key_required")
+        return record
+
+
+class AuthStage:
+    """Sets `ctx.tenant` and `ctx.key_id`; for tenants with cache isolation, overwrites the
+    body's `cache_salt` with the tenant's salt (re-serialising the payload once into
+    `ctx.body`) and sets `ctx.cache_salt` for the prefix index."""
+
+    def __init__(self, directory: TenantDirectory) -> None:
+        self.directory = directory
+        self.authenticator = Authenticator(directory)
+
+    async def __call__(self, ctx: RequestContext) -> None:
+        explain = header_value(ctx.client_headers, EXPLAIN_REQUEST_HEADER)
+        if explain is not None and explain.strip() == b"1":
+            ctx.explain = self._operator(ctx.client_headers)
+        if self.directory.open:
+            ctx.tenant = self.directory.anonymous
+            return
+        record = self.authenticator.verify(ctx.client_headers)
+        tenant = record.tenant
+        if tenant is None:
+            raise PermissionDenied(
+                "Admin keys cannot be used for inference", code="admin_key_not_for_inference"
+            )
+        ctx.tenant = tenant
+        ctx.key_id = record.key_id
+        if not tenant.may_use(ctx.model):
+            raise PermissionDenied(
+                f"This API key may not use the model '{ctx.model}'",
+                param="model",
+                code="model_not_allowed",
+            )
+        if tenant.cache_salt is not None and ctx.route in _SALTED_ROUTES:
+            ctx.payload["cache_salt"] = tenant.cache_salt
+            ctx.body = orjson.dumps(ctx.payload)
+            ctx.cache_salt = tenant.cache_salt
+
+    def _operator(self, headers: Headers) -> bool:
+        """Whether the request may see routing explanations: on an open gateway anyone may;
+        otherwise it must carry an admin key in `x-kvgate-admin-key` (401 if that key is
+        wrong: a credential that was sent is always checked)."""
+        if self.directory.open:
+            return True
+        token = header_value(headers, ADMIN_KEY_HEADER)
+        if token is None:
+            return False
+        token = token.strip()
+        record = self.authenticator.verify_token(token)
+        if record.tenant is not None:
+            raise PermissionDenied(
+                f"{ADMIN_KEY_HEADER.decode()} needs an admin key", code="admin_key_required"
+            )
+        return True

@@ -1,0 +1,109 @@
+"""Tenants as the running gateway sees them, and the directory that finds one from a key id.
+
+Built once from config. The anonymous tenant stands for every request when auth is off, so the
+later stages (classification, quotas, queues) work the same with or without keys.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import hmac
+import re
+from dataclasses import dataclass
+
+from kvgate.chain.settings import (
+    DEFAULT_TIERS,
+    AuthConfig,
+    LatencyClass,
+    LimitsConfig,
+    TenantConfig,
+    TierConfig,
+)
+
+ANONYMOUS = "anonymous"
+ANONYMOUS_TIER = "silver"
+# Used when no `auth.cache_salt_secret` is set: salts still differ per tenant (isolation
+# holds), they are just derivable from the tenant name.
+_DEFAULT_SALT_KEY = b"kvgate-cache-salt-v1"
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Tenant:
+    name: str
+    tier: str
+    tier_priority: int
+    weight: float
+    default_class: LatencyClass
+    best_class: LatencyClass
+    limits: LimitsConfig
+    residency: frozenset[str] | None
+    cache_salt: str | None
+    _models: re.Pattern[str] | None
+
+    def may_use(self, model: str) -> bool:
+        return self._models is None or self._models.fullmatch(model) is not None
+
+
+@dataclass(frozen=True, slots=True)
+class KeyRecord:
+    """A configured key: its tenant (None for an admin key), secret digest and state."""
+
+    key_id: str
+    tenant: Tenant | None
+    digest: bytes
+    revoked: bool
+
+
+def cache_salt_for(tenant: str, secret: str | None) -> str:
+    key = secret.encode() if secret else _DEFAULT_SALT_KEY
+    return hmac.new(key, tenant.encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def build_tenant(config: TenantConfig, tier: TierConfig, salt_secret: str | None) -> Tenant:
+    models = None
+    if config.models is not None:
+        models = re.compile(
+            "|".join(f"(?:{fnmatch.translate(p)})" for p in config.models) or "(?!)"
+        )
+    return Tenant(
+        name=config.name,
+        tier=config.tier,
+        tier_priority=tier.priority,
+        weight=tier.weight,
+        default_class=tier.default_class,
+        best_class=tier.best_class,
+        limits=config.limits,
+        residency=frozenset(config.residency) if config.residency is not None else None,
+        cache_salt=(
+            cache_salt_for(config.name, salt_secret) if config.cache_isolation == "tenant" else None
+        ),
+        _models=models,
+    )
+
+
+class TenantDirectory:
+    """Every tenant and key from config. `open` is True when requests need no key."""
+
+    def __init__(self, auth: AuthConfig | None, tiers: dict[str, TierConfig]) -> None:
+        self.tiers = {**DEFAULT_TIERS, **tiers}
+        self.open = auth is None or auth.disabled
+        self.explicitly_open = auth is not None and auth.disabled
+        self.anonymous = build_tenant(
+            TenantConfig(name=ANONYMOUS, tier=ANONYMOUS_TIER, cache_isolation="shared"),
+            self.tiers[ANONYMOUS_TIER],
+            None,
+        )
+        self.tenants: dict[str, Tenant] = {}
+        self.keys: dict[str, KeyRecord] = {}
+        if auth is None:
+            return
+        for config in auth.tenants:
+            tenant = build_tenant(config, self.tiers[config.tier], auth.cache_salt_secret)
+            self.tenants[tenant.name] = tenant
+            for key in config.keys:
+                self.keys[key.id] = KeyRecord(
+                    key.id, tenant, bytes.fromhex(key.sha256), key.revoked
+                )
+        for key in auth.admin_keys:
+            self.keys[key.id] = KeyRecord(key.id, None, bytes.fromhex(key.sha256), key.revoked)

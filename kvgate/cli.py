@@ -1,0 +1,259 @@
+"""`kvgate serve | demo | sim | check-config` — the one command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+
+import uvicorn
+
+from kvgate import __version__
+from kvgate.config import Config, ConfigError, load_config, parse_config
+
+DEMO_MODEL = "sim-model"
+DEMO_ENGINES = 2
+
+
+def _uvicorn_config(app: object, host: str, port: int, log_level: str) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        loop="uvloop",
+        http="httptools",
+        lifespan="on",
+        access_log=False,
+        log_level=log_level,
+        server_header=False,
+        timeout_graceful_shutdown=5,
+        proxy_headers=False,
+    )  # kvgate reads no client address
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
+    # httpx logs every upstream request at INFO: the access log already covers them.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from kvgate.app import CONFIG_ENV, GatewayApp
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    host = args.host or config.server.host
+    port = args.port if args.port is not None else config.server.port
+    _setup_logging(args.log_level)
+    if args.workers > 1:
+        if config.state.backend == "memory":
+            print(
+                f"kvgate serve: --workers {args.workers} needs shared state: with "
+                "'state: {backend: memory}' every worker would keep its own prefix index, "
+                "load counts and quotas, silently splitting them. Configure "
+                "'state: {backend: redis, url: redis://...}' (docs/redis.md) or run one "
+                "worker.",
+                file=sys.stderr,
+            )
+            return 1
+        os.environ[CONFIG_ENV] = str(Path(args.config).resolve())
+        uvicorn.run(
+            "kvgate.app:app_from_env",
+            factory=True,
+            workers=args.workers,
+            host=host,
+            port=port,
+            loop="uvloop",
+            http="httptools",
+            lifespan="on",
+            access_log=False,
+            log_level=args.log_level,
+            server_header=False,
+            timeout_graceful_shutdown=5,
+            proxy_headers=False,
+        )
+        return 0
+    uvicorn.Server(_uvicorn_config(GatewayApp(config), host, port, args.log_level)).run()
+    return 0
+
+
+def _cmd_check_config(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.file)
+    except ConfigError as exc:
+        for problem in exc.problems:
+            print(f"{exc.source}: {problem}", file=sys.stderr)
+        print(f"{exc.source}: {len(exc.problems)} problem(s)", file=sys.stderr)
+        return 1
+    endpoints = sum(len(p.endpoints) for p in config.pools)
+    print(f"{args.file}: OK ({len(config.pools)} pool(s), {endpoints} endpoint(s))")
+    return 0
+
+
+def _cmd_keys_new(args: argparse.Namespace) -> int:
+    from kvgate.chain.keys import new_key, new_key_id
+
+    try:
+        key, digest = new_key(args.id or new_key_id(args.tenant or "admin"))
+    except ValueError as exc:
+        print(f"kvgate keys new: {exc}", file=sys.stderr)
+        return 1
+    where = "auth.admin_keys" if args.admin else f"the keys of tenant '{args.tenant}'"
+    key_id = key.partition(".")[0]
+    print(
+        f"API key (shown once; kvgate stores only its hash):\n\n    {key}\n\n"
+        f"Add this line to {where} in the config:\n\n"
+        f'    - {{id: {key_id}, sha256: "{digest}"}}'
+    )
+    return 0
+
+
+def demo_config(urls: list[str], port: int) -> Config:
+    """The embedded demo: one vLLM-flavoured pool over the simulated engines, memory state."""
+    return parse_config(
+        {
+            "server": {"host": "127.0.0.1", "port": port},
+            "pools": [
+                {
+                    "name": "demo",
+                    "engine": "vllm",
+                    "models": [DEMO_MODEL],
+                    "endpoints": [{"url": u} for u in urls],
+                }
+            ],
+            "state": {"backend": "memory"},
+            "auth": "none",
+        },
+        source="<demo>",
+    )
+
+
+_SNIPPET = """\
+kvgate demo: gateway on {base} over {n} simulated vLLM engines (in-memory state)
+
+    from openai import OpenAI
+    client = OpenAI(base_url="{base}", api_key="unused")
+    stream = client.chat.completions.create(
+        model="{model}", stream=True,
+        messages=[{{"role": "user", "content": "Tell me about KV caches."}}])
+    for chunk in stream:
+        print(chunk.choices[0].delta.content or "", end="", flush=True)
+
+    curl {base}/chat/completions -H 'content-type: application/json' \\
+      -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "hi"}}]}}'
+
+Press Ctrl+C to stop."""
+
+
+async def _run_demo(host: str, port: int, log_level: str) -> None:
+    from kvgate.app import GatewayApp
+    from kvgate.sim import EngineOptions, SimFleet
+
+    options = EngineOptions(flavor="vllm", models=[DEMO_MODEL], profile="realistic")
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+    except OSError as exc:
+        listener.close()
+        raise SystemExit(
+            f"kvgate demo: cannot listen on {host}:{port}: {exc.strerror}; "
+            "choose another with --port"
+        ) from None
+    bound = listener.getsockname()[1]
+    options = EngineOptions(flavor="vllm", models=[DEMO_MODEL], profile="realistic")
+    async with SimFleet(engines=DEMO_ENGINES, base_port=0, options=options) as fleet:
+        config = demo_config(list(fleet.urls), bound)
+        server = uvicorn.Server(_uvicorn_config(GatewayApp(config), host, bound, log_level))
+        shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        print(
+            _SNIPPET.format(base=f"http://{shown}:{bound}/v1", n=DEMO_ENGINES, model=DEMO_MODEL),
+            flush=True,
+        )
+        await server.serve(sockets=[listener])
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    _setup_logging(args.log_level)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_run_demo(args.host, args.port, args.log_level))
+    return 0
+
+
+def _cmd_sim(args: argparse.Namespace) -> int:
+    from kvgate.sim import cli as sim_cli
+
+    return sim_cli.run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvgate",
+        description=("KV/prefix-aware OpenAI-compatible gateway for vLLM and SGLang fleets."),
+    )
+    parser.add_argument("--version", action="version", version=f"kvgate {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = commands.add_parser("serve", help="run the gateway from a config file")
+    serve.add_argument("--config", required=True, type=Path, help="YAML config file")
+    serve.add_argument("--host", help="listen address (default: server.host from config)")
+    serve.add_argument("--port", type=int, help="listen port (default: server.port from config)")
+    serve.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="worker processes, each a full replica (needs state.backend redis)",
+    )
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.set_defaults(func=_cmd_serve)
+
+    demo = commands.add_parser(
+        "demo", help="run the gateway over an embedded simulated fleet, in-memory state"
+    )
+    demo.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    demo.add_argument("--port", type=int, default=8080, help="listen port (default 8080)")
+    demo.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    demo.set_defaults(func=_cmd_demo)
+
+    keys = commands.add_parser("keys", help="manage API keys")
+    key_commands = keys.add_subparsers(dest="keys_command", required=True, metavar="COMMAND")
+    new = key_commands.add_parser(
+        "new", help="print a fresh API key once, and the config line holding its hash"
+    )
+    owner = new.add_mutually_exclusive_group(required=True)
+    owner.add_argument("--tenant", help="tenant the key belongs to")
+    owner.add_argument("--admin", action="store_true", help="an admin key (admin routes)")
+    new.add_argument("--id", help="key id (default: tenant name and 6 random hex digits)")
+    new.set_defaults(func=_cmd_keys_new)
+
+    check = commands.add_parser("check-config", help="validate a config file and list problems")
+    check.add_argument("file", type=Path)
+    check.set_defaults(func=_cmd_check_config)
+
+    sim = commands.add_parser("sim", help="serve simulated vLLM/SGLang engines")
+    from kvgate.sim import cli as sim_cli
+
+    sim_cli.add_arguments(sim)
+    sim.set_defaults(func=_cmd_sim)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,353 @@
+"""Typed gateway configuration, loaded from YAML in stages.
+
+Stages: parse YAML → substitute `${ENV}` in strings → validate types (pydantic, unknown keys are
+errors) → cross-check references. Every problem is reported as `file: key.path: reason`, all of
+them at once, so `kvgate check-config` can print the full list. The running code never
+re-validates: a `Config` object is correct by construction.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+
+from kvgate.chain.settings import (
+    AdmissionConfig,
+    AuthConfig,
+    ClassificationConfig,
+    TierConfig,
+    cross_check_chain,
+)
+from kvgate.routing.settings import BUILTIN_POLICIES, RoutingConfig
+
+EngineKind = Literal["vllm", "sglang", "openai"]
+POLICY_NAMES = BUILTIN_POLICIES
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ServerConfig(_Strict):
+    host: str = "0.0.0.0"
+    port: int = Field(8080, ge=0, le=65535)
+    max_body_bytes: int = Field(10 * 1024 * 1024, gt=0)
+    access_log: bool = True
+
+
+class TierTimeouts(_Strict):
+    """Overrides of `timeouts` for one tenant tier; unset keys keep the global value."""
+
+    connect: float | None = Field(None, gt=0)
+    first_token: float | None = Field(None, gt=0)
+    stall: float | None = Field(None, gt=0)
+    total: float | None = Field(None, gt=0)
+
+
+class TimeoutsConfig(_Strict):
+    """Seconds. `first_token` applies to streams only: a non-stream answer is one response.
+    `tiers` maps a tier name to overrides (see docs/resilience.md)."""
+
+    connect: float = Field(5.0, gt=0)
+    first_token: float = Field(60.0, gt=0)
+    stall: float = Field(60.0, gt=0)
+    total: float = Field(600.0, gt=0)
+    tiers: dict[str, TierTimeouts] = Field(default_factory=dict)
+
+
+class UpstreamConfig(_Strict):
+    max_connections: int = Field(1024, gt=0)
+    max_keepalive_connections: int = Field(256, ge=0)
+    keepalive_expiry: float = Field(30.0, gt=0)
+    max_error_body_bytes: int = Field(64 * 1024, gt=0)
+
+
+class HealthConfig(_Strict):
+    interval: float = Field(5.0, gt=0)
+    timeout: float = Field(2.0, gt=0)
+    discovery_interval: float = Field(30.0, gt=0)
+
+
+class EndpointConfig(_Strict):
+    url: str
+    api_key: str | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    max_inflight: int | None = Field(None, gt=0)
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        if not re.fullmatch(r"https?://[^/\s]+(/[^\s]*)?", value):
+            raise ValueError("must be an http:// or https:// URL")
+        return value.rstrip("/")
+
+
+class PoolConfig(_Strict):
+    name: str = Field(min_length=1)
+    engine: EngineKind = "vllm"
+    models: list[str] = Field(default_factory=list)
+    # A built-in policy name or the path of a policy YAML file (relative: to the config file).
+    policy: str = "kvgate"
+    endpoints: list[EndpointConfig] = Field(min_length=1)
+    # Opt-in: a stream broken mid-way continues on another endpoint (docs/resilience.md).
+    resume: bool = False
+
+
+class RetryConfig(_Strict):
+    """Attempts per request (first one included) and full-jitter back-off, in seconds."""
+
+    max_attempts: int = Field(3, ge=1, le=10)
+    backoff_base: float = Field(0.025, ge=0)
+    backoff_cap: float = Field(0.25, ge=0)
+
+
+class RetryBudgetConfig(_Strict):
+    """Per pool. Concurrency form (Envoy): retries in flight ≤ max(min_concurrency,
+    percent_of_active % of active requests). Rate form (Finagle): retries over `window` s ≤
+    percent_of_requests % of requests + min_per_second x window. `null` disables a form."""
+
+    percent_of_active: float | None = Field(20.0, ge=0)
+    min_concurrency: int = Field(3, ge=0)
+    percent_of_requests: float | None = Field(20.0, ge=0)
+    min_per_second: float = Field(10.0, ge=0)
+    window: float = Field(10.0, gt=0)
+
+
+class BreakerConfig(_Strict):
+    """Per endpoint circuit breaker / outlier ejection; durations in seconds."""
+
+    consecutive_failures: int = Field(5, ge=1)
+    failure_rate: float = Field(0.5, gt=0, le=1)
+    failure_rate_min_requests: int = Field(20, ge=1)
+    window: float = Field(10.0, gt=0)
+    base_ejection: float = Field(30.0, gt=0)
+    max_ejection: float = Field(300.0, gt=0)
+    max_ejected_fraction: float = Field(0.5, ge=0, le=1)
+    half_open_probes: int = Field(2, ge=1)
+    probe_timeout: float = Field(10.0, gt=0)
+    max_hold: float = Field(30.0, ge=0)
+
+
+class ThrottleConfig(_Strict):
+    """Client-side adaptive throttling per pool (Google SRE): p = max(0, (requests - k x
+    accepts) / (requests + 1)) over `window` s, once `min_requests` were attempted."""
+
+    enabled: bool = True
+    k: float = Field(2.0, ge=1)
+    window: float = Field(30.0, gt=0)
+    min_requests: int = Field(20, ge=0)
+    retry_after: float = Field(1.0, gt=0)
+
+
+class ResilienceConfig(_Strict):
+    """Retries, retry budget, breakers, throttling, resume (docs/resilience.md)."""
+
+    retries: RetryConfig = RetryConfig()
+    retry_budget: RetryBudgetConfig = RetryBudgetConfig()
+    breaker: BreakerConfig = BreakerConfig()
+    throttle: ThrottleConfig = ThrottleConfig()
+    max_resumes: int = Field(1, ge=1, le=3)
+
+
+class StateConfig(_Strict):
+    """Where replicas share state. `memory`: this process only (the embedded default).
+    `redis`: prefix-index deltas, load heartbeats and quotas shared through Redis at `url`
+    (redis://, rediss:// or unix://); see docs/redis.md."""
+
+    backend: Literal["memory", "redis"] = "memory"
+    url: str | None = None
+    key_prefix: str = Field("kvgate", min_length=1)
+    op_timeout: float = Field(0.1, gt=0)
+    heartbeat_interval: float = Field(0.5, gt=0)
+    snapshot_interval: float = Field(10.0, gt=0)
+    stream_maxlen: int = Field(100_000, gt=0)
+
+    @field_validator("url")
+    @classmethod
+    def _redis_url(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(r"(rediss?|unix)://", value):
+            raise ValueError("must be a redis://, rediss:// or unix:// URL")
+        return value
+
+
+class Config(_Strict):
+    server: ServerConfig = ServerConfig()
+    timeouts: TimeoutsConfig = TimeoutsConfig()
+    upstream: UpstreamConfig = UpstreamConfig()
+    health: HealthConfig = HealthConfig()
+    pools: list[PoolConfig] = Field(min_length=1)
+    routing: RoutingConfig = RoutingConfig()
+    state: StateConfig = StateConfig()
+    resilience: ResilienceConfig = ResilienceConfig()
+    # Absent: open gateway with a loud startup warning (the minimal config must keep working);
+    # `auth: none` says so explicitly; a mapping turns on API keys and tenants.
+    auth: AuthConfig | None = None
+    tiers: dict[str, TierConfig] = Field(default_factory=dict)
+    classification: ClassificationConfig = ClassificationConfig()
+    admission: AdmissionConfig = AdmissionConfig()
+    # Policy files named by pools, loaded and checked with the config (pool name → policy).
+    _policies: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    def routing_policy(self, pool: str) -> Any:
+        """The loaded `RoutingPolicy` of a pool whose `policy` is a file, else None."""
+        return self._policies.get(pool)
+
+
+class ConfigError(Exception):
+    """One or more problems in a config file; `problems` lists `key.path: reason` lines."""
+
+    def __init__(self, source: str, problems: list[str]) -> None:
+        self.source = source
+        self.problems = problems
+        super().__init__("\n".join(f"{source}: {p}" for p in problems))
+
+
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def _key_path(loc: tuple[str | int, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def _substitute_env(node: Any, loc: tuple[str | int, ...], problems: list[str]) -> Any:
+    if isinstance(node, dict):
+        return {k: _substitute_env(v, (*loc, str(k)), problems) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_substitute_env(v, (*loc, i), problems) for i, v in enumerate(node)]
+    if isinstance(node, str) and "${" in node:
+
+        def replace(match: re.Match[str]) -> str:
+            name, default = match.group(1), match.group(2)
+            value = os.environ.get(name, default)
+            if value is None:
+                problems.append(f"{_key_path(loc)}: environment variable {name} is not set")
+                return ""
+            return value
+
+        return _ENV_REF.sub(replace, node)
+    return node
+
+
+def _model_at(loc: tuple[str | int, ...]) -> type[BaseModel] | None:
+    """The pydantic model that holds the key at `loc`, to suggest its real field names."""
+    model: Any = Config
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part) if isinstance(model, type) else None
+        if field is None:
+            return None
+        annotation = field.annotation
+        args = getattr(annotation, "__args__", ())
+        candidates = [annotation, *args]
+        model = next(
+            (c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None
+        )
+        if model is None:
+            return None
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+
+
+def _describe(error: Any) -> str:
+    loc = tuple(p for p in error["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+    if error["type"] == "extra_forbidden":
+        hint = ""
+        holder = _model_at(loc)
+        if holder is not None:
+            close = difflib.get_close_matches(str(loc[-1]), list(holder.model_fields), n=1)
+            if close:
+                hint = f" (did you mean '{close[0]}'?)"
+        return f"{_key_path(loc)}: unknown key{hint}"
+    message = error["msg"].removeprefix("Value error, ")
+    return f"{_key_path(loc)}: {message}"
+
+
+def _load_policy_file(config: Config, index: int, pool: PoolConfig, source: str) -> list[str]:
+    from kvgate.routing.policy import PolicyError, load_policy  # routing imports this module
+
+    path = Path(pool.policy)
+    if not path.is_absolute() and source != "<config>":
+        path = Path(source).parent / path
+    try:
+        config._policies[pool.name] = load_policy(path)
+    except PolicyError as exc:
+        return [f"pools[{index}].policy: {problem}" for problem in exc.problems]
+    return []
+
+
+def _cross_check(config: Config, source: str = "<config>") -> list[str]:
+    problems: list[str] = []
+    if config.state.backend == "redis" and not config.state.url:
+        problems.append("state.url: required when state.backend is 'redis'")
+    seen_pools: set[str] = set()
+    seen_urls: dict[str, str] = {}
+    for i, pool in enumerate(config.pools):
+        if pool.name in seen_pools:
+            problems.append(f"pools[{i}].name: duplicate pool name '{pool.name}'")
+        seen_pools.add(pool.name)
+        if pool.policy not in POLICY_NAMES:
+            if pool.policy.endswith((".yaml", ".yml")):
+                problems.extend(_load_policy_file(config, i, pool, source))
+            else:
+                problems.append(
+                    f"pools[{i}].policy: unknown policy '{pool.policy}' "
+                    f"(one of: {', '.join(sorted(POLICY_NAMES))}, or a .yaml policy file)"
+                )
+        for j, endpoint in enumerate(pool.endpoints):
+            where = f"pools[{i}].endpoints[{j}].url"
+            if endpoint.url in seen_urls:
+                first = seen_urls[endpoint.url]
+                problems.append(f"{where}: duplicate endpoint, already in {first}")
+            seen_urls[endpoint.url] = where
+    retries, breaker = config.resilience.retries, config.resilience.breaker
+    if retries.backoff_cap < retries.backoff_base:
+        problems.append("resilience.retries.backoff_cap: must be at least backoff_base")
+    if breaker.max_ejection < breaker.base_ejection:
+        problems.append("resilience.breaker.max_ejection: must be at least base_ejection")
+    problems.extend(cross_check_chain(config.auth, config.tiers))
+    return problems
+
+
+def parse_config(data: Any, source: str = "<config>") -> Config:
+    """Validate an already-parsed YAML/JSON tree. Raises ConfigError listing every problem."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(source, ["(top level): must be a mapping of keys to values"])
+    problems: list[str] = []
+    data = _substitute_env(data, (), problems)
+    try:
+        config = Config.model_validate(data)
+    except ValidationError as exc:
+        problems.extend(_describe(e) for e in exc.errors())
+        raise ConfigError(source, problems) from None
+    problems.extend(_cross_check(config, source))
+    if problems:
+        raise ConfigError(source, problems)
+    return config
+
+
+def load_config(path: str | Path) -> Config:
+    """Read, substitute, validate and cross-check a YAML config file."""
+    source = str(path)
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(source, [f"(file): cannot read: {exc.strerror}"]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "(file)"
+        reason = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(source, [f"{where}: invalid YAML: {reason}"]) from None
+    return parse_config(data, source)

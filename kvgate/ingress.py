@@ -1,0 +1,173 @@
+"""Ingress: read the body within its limit, parse it once, check the fields kvgate relies on.
+
+Only what the gateway itself needs is validated here (model, the prompt carrier, stream flags,
+token counts); every other field passes through untouched for the engine to judge.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from kvgate.asgi import Receive
+from kvgate.errors import InvalidRequest, PayloadTooLarge
+
+INFERENCE_ROUTES: dict[str, str] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/embeddings": "embeddings",
+}
+
+
+async def read_body(headers: list[tuple[bytes, bytes]], receive: Receive, limit: int) -> bytes:
+    """The request body; 413 before reading when Content-Length exceeds `limit`, and as soon as
+    the bytes read exceed it otherwise."""
+    for name, value in headers:
+        if name == b"content-length":
+            try:
+                declared = int(value)
+            except ValueError:
+                raise InvalidRequest("Content-Length is not a number") from None
+            if declared > limit:
+                raise PayloadTooLarge(
+                    f"request body of {declared} bytes exceeds the limit of {limit} bytes"
+                )
+            break
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        if chunk:
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+            chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request was read: nothing to answer."""
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _require_str(payload: dict[str, Any], key: str) -> str:
+    value = payload.get(key)
+    if value is None:
+        raise InvalidRequest(
+            f"'{key}' is a required property", param=key, code="missing_required_parameter"
+        )
+    if not isinstance(value, str) or not value:
+        raise InvalidRequest(f"'{key}' must be a non-empty string", param=key, code="invalid_type")
+    return value
+
+
+def _check_messages(payload: dict[str, Any]) -> None:
+    messages = payload.get("messages")
+    if messages is None:
+        raise InvalidRequest(
+            "'messages' is a required property", param="messages", code="missing_required_parameter"
+        )
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest(
+            "'messages' must be a non-empty array", param="messages", code="invalid_type"
+        )
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise InvalidRequest(
+                f"messages[{i}] must be an object", param=f"messages[{i}]", code="invalid_type"
+            )
+        if not isinstance(message.get("role"), str):
+            raise InvalidRequest(
+                f"messages[{i}].role must be a string",
+                param=f"messages[{i}].role",
+                code="invalid_type",
+            )
+
+
+def _is_prompt(value: Any) -> bool:
+    if isinstance(value, str):
+        return True
+    if not isinstance(value, list) or not value:
+        return False
+    first = value[0]
+    if isinstance(first, str):
+        return all(isinstance(v, str) for v in value)
+    if _is_int(first):
+        return all(_is_int(v) for v in value)
+    if isinstance(first, list):
+        return all(isinstance(v, list) and v and all(_is_int(t) for t in v) for v in value)
+    return False
+
+
+def _check_carrier(payload: dict[str, Any], key: str) -> None:
+    if key not in payload:
+        raise InvalidRequest(
+            f"'{key}' is a required property", param=key, code="missing_required_parameter"
+        )
+    if not _is_prompt(payload[key]):
+        raise InvalidRequest(
+            f"'{key}' must be a string, an array of strings, an array of token ids or an array "
+            "of token-id arrays",
+            param=key,
+            code="invalid_type",
+        )
+
+
+def _check_common(payload: dict[str, Any]) -> bool:
+    stream = payload.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise InvalidRequest("'stream' must be a boolean", param="stream", code="invalid_type")
+    options = payload.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise InvalidRequest(
+                "'stream_options' must be an object", param="stream_options", code="invalid_type"
+            )
+        if not stream:
+            raise InvalidRequest(
+                "'stream_options' is only allowed when 'stream' is true", param="stream_options"
+            )
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = payload.get(key)
+        if value is not None and (not _is_int(value) or value < 1):
+            raise InvalidRequest(
+                f"'{key}' must be an integer of at least 1", param=key, code="invalid_value"
+            )
+    n = payload.get("n")
+    if n is not None and (not _is_int(n) or n < 1):
+        raise InvalidRequest(
+            "'n' must be an integer of at least 1", param="n", code="invalid_value"
+        )
+    return stream
+
+
+def parse_payload(route: str, body: bytes) -> tuple[dict[str, Any], str, bool]:
+    """Parse the body once and return (payload, model, stream), or raise InvalidRequest."""
+    try:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(
+            f"request body is not valid JSON: {exc}", code="invalid_json"
+        ) from None
+    if not isinstance(payload, dict):
+        raise InvalidRequest("request body must be a JSON object", code="invalid_type")
+    model = _require_str(payload, "model")
+    if route == "chat":
+        _check_messages(payload)
+    elif route == "completions":
+        _check_carrier(payload, "prompt")
+    else:
+        _check_carrier(payload, "input")
+    stream = _check_common(payload) if route != "embeddings" else False
+    return payload, model, stream

@@ -1,0 +1,62 @@
+"""One structured line per request: ids, route, model, endpoint, status, timings.
+
+Never prompts, bodies or credentials: only what is needed to trace and account a request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import orjson
+
+from kvgate.errors import KvgateError
+from kvgate.types import RequestContext
+
+log = logging.getLogger("kvgate.access")
+
+
+class AccessLog:
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+
+    def finished(self, ctx: RequestContext) -> None:
+        if not self.enabled or not log.isEnabledFor(logging.INFO):
+            return
+        record = {
+            "request_id": ctx.request_id,
+            "route": ctx.route,
+            "model": ctx.model,
+            "stream": ctx.stream,
+            "tenant": ctx.tenant.name if ctx.tenant else None,
+            "key_id": ctx.key_id,
+            "endpoint": ctx.endpoint.name if ctx.endpoint else None,
+            "attempts": ctx.attempts,
+            "status": ctx.status,
+            "outcome": ctx.outcome,
+            "duration_ms": round((time.perf_counter() - ctx.started) * 1000, 3),
+        }
+        if ctx.first_token_at is not None:
+            record["ttft_ms"] = round((ctx.first_token_at - ctx.started) * 1000, 3)
+        if ctx.resumes:
+            record["resumes"] = ctx.resumes
+            record["resume_overhead_tokens"] = ctx.resume_overhead_tokens
+        if ctx.usage is not None:
+            record["usage"] = {
+                k: v for k, v in ctx.usage.items() if k in ("prompt_tokens", "completion_tokens")
+            }
+        log.info(orjson.dumps(record).decode())
+
+    def rejected(self, request_id: str, route: str, error: KvgateError) -> None:
+        if not self.enabled or not log.isEnabledFor(logging.INFO):
+            return
+        log.info(
+            orjson.dumps(
+                {
+                    "request_id": request_id,
+                    "route": route,
+                    "status": error.status,
+                    "outcome": error.code,
+                }
+            ).decode()
+        )

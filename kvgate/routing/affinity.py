@@ -1,0 +1,52 @@
+"""Session affinity: the endpoint that last served a session, bounded and expiring."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+from kvgate.types import RequestContext
+
+_SESSION_HEADERS = (b"x-kvgate-session-id", b"x-kvgate-workflow-id")
+
+
+def session_key(ctx: RequestContext) -> str | None:
+    """The client's session: `x-kvgate-session-id` or `x-kvgate-workflow-id` header, else the
+    body's `user` field. Scoped by model, so one session may use several models."""
+    for name, value in ctx.client_headers:
+        if name in _SESSION_HEADERS and value:
+            return f"{ctx.model}\x00h\x00{value.decode('latin-1')}"
+    user = ctx.payload.get("user")
+    if isinstance(user, str) and user:
+        return f"{ctx.model}\x00u\x00{user}"
+    return None
+
+
+class SessionAffinity:
+    """session key → endpoint name, at most `max_sessions` (least recently used dropped),
+    each forgotten `ttl` seconds after its last request."""
+
+    def __init__(self, ttl: float = 600.0, max_sessions: int = 100_000) -> None:
+        self.ttl = ttl
+        self.max_sessions = max_sessions
+        self._sessions: OrderedDict[str, tuple[str, float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def get(self, key: str, now: float | None = None) -> str | None:
+        entry = self._sessions.get(key)
+        if entry is None:
+            return None
+        now = time.monotonic() if now is None else now
+        if now - entry[1] > self.ttl:
+            del self._sessions[key]
+            return None
+        return entry[0]
+
+    def set(self, key: str, endpoint: str, now: float | None = None) -> None:
+        sessions = self._sessions
+        sessions[key] = (endpoint, time.monotonic() if now is None else now)
+        sessions.move_to_end(key)
+        while len(sessions) > self.max_sessions:
+            sessions.popitem(last=False)

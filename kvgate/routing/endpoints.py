@@ -1,0 +1,361 @@
+"""Pools and endpoints: which engine serves which model, and which of them are usable now."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from kvgate.config import EngineKind, PoolConfig
+from kvgate.routing.settings import RoutingConfig, StalePolicy
+
+if TYPE_CHECKING:
+    from kvgate.routing.telemetry import EngineTelemetry
+    from kvgate.types import RequestContext
+
+
+class BreakerView(Protocol):
+    """What routing may ask an endpoint's circuit breaker (owned by the resilience layer)."""
+
+    def admits(self) -> bool:
+        """True when a new request may be sent now (closed, or half-open with a free probe).
+        Pure: asking has no side effect."""
+        ...
+
+
+class _NoBreaker:
+    def admits(self) -> bool:
+        return True
+
+
+NO_BREAKER: BreakerView = _NoBreaker()
+
+# Prompt tokens assumed for requests the engine reports but the gateway did not send.
+_DEFAULT_PROMPT_TOKENS = 512.0
+_PROMPT_EMA = 0.05
+
+
+@dataclass(slots=True, frozen=True)
+class EndpointLimits:
+    """When an endpoint counts as saturated, and how old telemetry may be before it is stale
+    (see kvgate/routing/telemetry.py for the stale policy)."""
+
+    max_waiting: float = 5
+    max_kv_usage: float = 0.9
+    stale_after: float = 3.0
+    stale_policy: StalePolicy = "local"
+
+    @classmethod
+    def from_config(cls, routing: RoutingConfig) -> EndpointLimits:
+        return cls(
+            routing.saturation.max_waiting,
+            routing.saturation.max_kv_usage,
+            routing.stale_after,
+            routing.stale_policy,
+        )
+
+
+@dataclass(slots=True, eq=False)
+class Endpoint:
+    """One engine's HTTP address and the gateway's live view of it.
+
+    Load accounting is owned by the gateway: `begin_attempt` at dispatch, `first_token` when
+    the first event arrives, `end_attempt` exactly once when the attempt ends on any path.
+    Per attempt it tracks requests in flight, prompt tokens still to prefill (requests waiting
+    for their first token, counted with the prompt tokens not already cached there) and active
+    decode sequences. Scraped telemetry (`telemetry`, when fresh) corrects the view upwards for
+    work the gateway did not send. Health checks change `healthy` and never touch any of it.
+    """
+
+    name: str
+    url: str
+    pool: str
+    engine: EngineKind
+    configured_models: frozenset[str]
+    auth_header: bytes | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+    max_inflight: int | None = None
+    discovered_models: frozenset[str] = frozenset()
+    healthy: bool = True
+    inflight: int = 0
+    breaker: BreakerView = NO_BREAKER
+    limits: EndpointLimits = EndpointLimits()
+    telemetry: EngineTelemetry | None = None
+    prefill_requests: int = 0
+    prefill_tokens: int = 0
+    decoding: int = 0
+    # What the other gateway replicas have in flight here (shared state, docs/redis.md).
+    peer_inflight: int = 0
+    peer_queued_tokens: int = 0
+    mean_prompt_tokens: float = _DEFAULT_PROMPT_TOKENS
+    # Streamed attempts that joined the engine's queue and that left it (first token, or ended
+    # before one), and both counts when the telemetry was taken: the engine's waiting count is
+    # carried forward between scrapes by what the gateway itself saw since (`EndpointLoad`).
+    streams_queued: int = 0
+    streams_unqueued: int = 0
+    queued_at_scrape: int = 0
+    unqueued_at_scrape: int = 0
+    # id(ctx) → prompt tokens still to prefill, or -1 once the attempt decodes.
+    _attempts: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def models(self) -> frozenset[str]:
+        return self.configured_models | self.discovered_models
+
+    def begin_attempt(self, ctx: RequestContext) -> None:
+        """Called by the forwarder when an attempt is dispatched here."""
+        if id(ctx) in self._attempts:
+            return
+        prefix = ctx.prefix
+        tokens = prefix.uncached_tokens(self.name) if prefix is not None else 0
+        if prefix is not None:
+            self.mean_prompt_tokens += _PROMPT_EMA * (
+                prefix.prompt_tokens - self.mean_prompt_tokens
+            )
+        self._attempts[id(ctx)] = tokens
+        self.inflight += 1
+        self.prefill_requests += 1
+        self.prefill_tokens += tokens
+        if ctx.stream:
+            self.streams_queued += 1
+
+    def first_token(self, ctx: RequestContext) -> None:
+        """The attempt's first event arrived: its prefill is done, it now decodes."""
+        tokens = self._attempts.get(id(ctx))
+        if tokens is None or tokens < 0:
+            return
+        self._attempts[id(ctx)] = -1
+        self.prefill_requests -= 1
+        self.prefill_tokens -= tokens
+        self.decoding += 1
+        if ctx.stream:
+            self.streams_unqueued += 1
+
+    def end_attempt(self, ctx: RequestContext) -> None:
+        """Called exactly once per `begin_attempt`, on every terminal path of the attempt."""
+        tokens = self._attempts.pop(id(ctx), None)
+        if tokens is None:
+            return
+        self.inflight -= 1
+        if tokens < 0:
+            self.decoding -= 1
+        else:
+            self.prefill_requests -= 1
+            self.prefill_tokens -= tokens
+            if ctx.stream:
+                self.streams_unqueued += 1
+
+    def observe_telemetry(self, telemetry: EngineTelemetry) -> None:
+        """A scrape succeeded: route on it, and count queue changes from now on."""
+        self.telemetry = telemetry
+        self.queued_at_scrape = self.streams_queued
+        self.unqueued_at_scrape = self.streams_unqueued
+
+    @property
+    def scraped(self) -> bool:
+        """Whether this endpoint's engine kind exposes telemetry the gateway scrapes."""
+        return self.engine != "openai"
+
+    def fresh_telemetry_at(self, now: float) -> EngineTelemetry | None:
+        """The last scrape if it is recent enough to route on at `now`, else None."""
+        telemetry = self.telemetry
+        if telemetry is None or now - telemetry.scraped_at > self.limits.stale_after:
+            return None
+        return telemetry
+
+    @property
+    def fresh_telemetry(self) -> EngineTelemetry | None:
+        return self.fresh_telemetry_at(time.monotonic())
+
+    @property
+    def stale(self) -> bool:
+        return self.scraped and self.fresh_telemetry is None
+
+    @property
+    def total_inflight(self) -> int:
+        """Requests in flight here from this gateway process and its peer replicas."""
+        return self.inflight + self.peer_inflight
+
+    def load(self, now: float | None = None) -> EndpointLoad:
+        """A snapshot of this endpoint's load at `now` (routing takes one per endpoint per
+        decision and hands it to every filter, scorer and picker)."""
+        return EndpointLoad(self, time.monotonic() if now is None else now)
+
+    @property
+    def saturated(self) -> bool:
+        """True when sending more work here would only queue it on the engine: the in-flight
+        cap is reached, or fresh telemetry shows a queue or KV use above the limits."""
+        return self.load().saturated_by(self.limits.max_waiting, self.limits.max_kv_usage)
+
+    @property
+    def routable(self) -> bool:
+        if self.limits.stale_policy == "exclude" and self.stale:
+            return False
+        return self.healthy and self.breaker.admits()
+
+    @property
+    def health_path(self) -> str:
+        return "/v1/models" if self.engine == "openai" else "/health"
+
+
+class EndpointLoad:
+    """One endpoint's load as one routing decision sees it: derived once per endpoint per
+    decision (`Endpoint.load`), then only read, so every filter, scorer and picker sees the same
+    numbers and a decision checks telemetry freshness once per endpoint.
+
+    The gateway's own accounting (this process, plus peer replicas' shared load) is corrected
+    upwards by fresh telemetry for work the gateway did not send:
+
+    - `waiting`: the engine's waiting count from fresh telemetry, carried forward by the
+      streams this process sent there and saw leave the queue since the scrape (0 without)
+    - `queued_requests`: requests waiting for their first token (own count or `waiting`)
+    - `queued_tokens`: prompt tokens still to prefill, own and peers', plus the engine's waiting
+      requests beyond those times the endpoint's mean prompt length
+    - `active_sequences`: decoding sequences (own count or engine's running)
+    - `kv_usage`: the engine's KV use, 0 without fresh telemetry
+    - `total_inflight`: requests in flight here from this process and its peers
+    - `requests`: `max(total_inflight, queued_requests + active_sequences)`, what pickers balance
+    """
+
+    __slots__ = (
+        "active_sequences",
+        "endpoint",
+        "inflight",
+        "kv_usage",
+        "name",
+        "queued_requests",
+        "queued_tokens",
+        "requests",
+        "stale",
+        "telemetry",
+        "total_inflight",
+        "waiting",
+    )
+
+    def __init__(self, endpoint: Endpoint, now: float) -> None:
+        # Hot path (once per candidate per decision): plain comparisons, no builtin calls.
+        telemetry = endpoint.fresh_telemetry_at(now)
+        inflight = endpoint.inflight
+        peers = endpoint.peer_inflight
+        prefill = float(endpoint.prefill_requests)
+        queued_tokens = float(endpoint.prefill_tokens + endpoint.peer_queued_tokens)
+        active = float(endpoint.decoding)
+        if telemetry is None:
+            queued = prefill
+            waiting = 0.0
+            kv_usage = 0.0
+        else:
+            # The scraped waiting count, carried forward by the streams that joined and left
+            # the queue since: telemetry is up to a scrape interval old, a burst is not.
+            waiting = telemetry.waiting + (
+                (endpoint.streams_queued - endpoint.queued_at_scrape)
+                - (endpoint.streams_unqueued - endpoint.unqueued_at_scrape)
+            )
+            if waiting < 0.0:
+                waiting = 0.0
+            queued = waiting if waiting > prefill else prefill
+            known = prefill + peers  # peers' queued work is counted already
+            if waiting > known:
+                queued_tokens += (waiting - known) * endpoint.mean_prompt_tokens
+            running = telemetry.running
+            if running > active:
+                active = running
+            kv_usage = telemetry.kv_usage
+        total = inflight + peers
+        self.endpoint = endpoint
+        self.name = endpoint.name
+        self.telemetry = telemetry
+        self.stale = telemetry is None and endpoint.scraped
+        self.inflight = inflight
+        self.total_inflight = total
+        self.waiting = waiting
+        self.queued_requests = queued
+        self.queued_tokens = queued_tokens
+        self.active_sequences = active
+        self.kv_usage = kv_usage
+        busy = queued + active
+        self.requests = busy if busy > total else float(total)
+
+    def saturated_by(self, max_waiting: float, max_kv_usage: float) -> bool:
+        """The in-flight cap is reached, or with fresh telemetry more than `max_waiting`
+        requests wait (`waiting`) or KV use is above `max_kv_usage`. Pure."""
+        cap = self.endpoint.max_inflight
+        if cap is not None and self.total_inflight >= cap:
+            return True
+        return self.telemetry is not None and (
+            self.waiting > max_waiting or self.kv_usage > max_kv_usage
+        )
+
+
+@dataclass(slots=True, eq=False)
+class Pool:
+    name: str
+    engine: EngineKind
+    policy: str
+    endpoints: list[Endpoint]
+
+    @property
+    def ready(self) -> bool:
+        return any(e.healthy for e in self.endpoints)
+
+
+def build_pool(config: PoolConfig, routing: RoutingConfig | None = None) -> Pool:
+    limits = EndpointLimits.from_config(routing or RoutingConfig())
+    endpoints = [
+        Endpoint(
+            name=f"{config.name}-{i}",
+            url=ep.url,
+            pool=config.name,
+            engine=config.engine,
+            configured_models=frozenset(config.models),
+            auth_header=f"Bearer {ep.api_key}".encode() if ep.api_key else None,
+            labels=dict(ep.labels),
+            max_inflight=ep.max_inflight,
+            limits=limits,
+        )
+        for i, ep in enumerate(config.endpoints)
+    ]
+    return Pool(config.name, config.engine, config.policy, endpoints)
+
+
+class Fleet:
+    """Every pool and endpoint, with a model → candidates map rebuilt when health or the
+    discovered model lists change (never per request)."""
+
+    def __init__(self, pools: Iterable[Pool]) -> None:
+        self.pools = list(pools)
+        self.endpoints = [e for p in self.pools for e in p.endpoints]
+        self._by_model: dict[str, list[Endpoint]] = {}
+        self._healthy_by_model: dict[str, list[Endpoint]] = {}
+        self._home_pool: dict[str, str] = {}
+        self.refresh()
+
+    def refresh(self) -> None:
+        by_model: dict[str, list[Endpoint]] = {}
+        home_pool: dict[str, str] = {}
+        for endpoint in self.endpoints:
+            for model in endpoint.models:
+                by_model.setdefault(model, []).append(endpoint)
+                home_pool.setdefault(model, endpoint.pool)  # endpoints are in pool order
+        self._by_model = by_model
+        self._home_pool = home_pool
+        self._healthy_by_model = {m: [e for e in eps if e.healthy] for m, eps in by_model.items()}
+
+    def serves(self, model: str) -> bool:
+        return model in self._by_model
+
+    def home_pool(self, model: str) -> str | None:
+        """The first pool (in config order) with an endpoint serving `model`."""
+        return self._home_pool.get(model)
+
+    def candidates(self, model: str) -> list[Endpoint]:
+        """Healthy endpoints serving `model` (possibly empty)."""
+        return self._healthy_by_model.get(model, [])
+
+    def served_models(self) -> list[str]:
+        """Models with at least one healthy endpoint."""
+        return sorted(m for m, eps in self._healthy_by_model.items() if eps)
+
+    def unready_pools(self) -> list[str]:
+        return [p.name for p in self.pools if not p.ready]

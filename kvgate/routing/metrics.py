@@ -1,0 +1,75 @@
+"""Prometheus view of routing state, collected at scrape time (nothing on the hot path)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvgate.routing.endpoints import Fleet
+from kvgate.routing.picker import RoutingServices
+
+
+class RoutingCollector(Collector):
+    def __init__(self, fleet: Fleet, services: RoutingServices) -> None:
+        self.fleet = fleet
+        self.services = services
+
+    def collect(self) -> Iterator[Metric]:
+        index = self.services.index
+        entries = GaugeMetricFamily(
+            "kvgate_prefix_index_entries",
+            "Block hashes the prefix index holds per endpoint.",
+            labels=["endpoint"],
+        )
+        capacity = GaugeMetricFamily(
+            "kvgate_prefix_index_capacity",
+            "Most block hashes the prefix index keeps per endpoint.",
+            labels=["endpoint"],
+        )
+        evictions = CounterMetricFamily(
+            "kvgate_prefix_index_evictions",
+            "Block hashes dropped for capacity or age.",
+            labels=["endpoint"],
+        )
+        prefill = GaugeMetricFamily(
+            "kvgate_endpoint_prefill_tokens",
+            "Prompt tokens sent and waiting for their first token.",
+            labels=["endpoint"],
+        )
+        decoding = GaugeMetricFamily(
+            "kvgate_endpoint_decoding_requests",
+            "Requests past their first token, still generating.",
+            labels=["endpoint"],
+        )
+        stale = GaugeMetricFamily(
+            "kvgate_endpoint_telemetry_stale",
+            "1 when the endpoint's scraped metrics are too old to use.",
+            labels=["endpoint"],
+        )
+        saturated = GaugeMetricFamily(
+            "kvgate_endpoint_saturated",
+            "1 when the endpoint's queue or KV use is above limits.",
+            labels=["endpoint"],
+        )
+        for endpoint in self.fleet.endpoints:
+            name = endpoint.name
+            entries.add_metric([name], index.entries(name))
+            capacity.add_metric([name], index.capacity(name))
+            evictions.add_metric([name], index.evictions(name))
+            prefill.add_metric([name], endpoint.prefill_tokens)
+            decoding.add_metric([name], endpoint.decoding)
+            stale.add_metric([name], 1 if endpoint.stale else 0)
+            saturated.add_metric([name], 1 if endpoint.saturated else 0)
+        yield from (entries, capacity, evictions, prefill, decoding, stale, saturated)
+        yield GaugeMetricFamily(
+            "kvgate_prefix_index_memory_bytes",
+            "Estimated memory held by the prefix index.",
+            value=index.memory_bytes,
+        )
+        yield GaugeMetricFamily(
+            "kvgate_affinity_sessions",
+            "Sessions with a remembered endpoint.",
+            value=len(self.services.affinity),
+        )

@@ -1,0 +1,156 @@
+"""Pickers: the final choice among the candidates that passed the filters.
+
+A picker is a plugin (see STYLE.md): `NAME`, `Params` with defaults, a plain constructor,
+registration in `kvgate/routing/plugins.py`. It gets the candidates' load snapshots
+(`EndpointLoad`) and, when the policy has scorers, their weighted scores in [0, 1]; it returns
+the index of the chosen candidate. Load means `EndpointLoad.requests`: the gateway's in-flight
+count, or the engine's own queued + running count when that is higher (work from elsewhere).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import ClassVar, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvgate.routing.endpoints import EndpointLoad
+from kvgate.types import RequestContext
+
+
+class Params(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Picker(Protocol):
+    NAME: ClassVar[str]
+
+    def __call__(
+        self,
+        ctx: RequestContext,
+        candidates: Sequence[EndpointLoad],
+        scores: Sequence[float] | None,
+    ) -> int:
+        """Index into `candidates` (never empty) of the endpoint to use."""
+        ...
+
+
+def least_loaded(rng: random.Random, loads: Sequence[float]) -> int:
+    """Index of the lowest load; ties broken at random."""
+    least = min(loads)
+    return rng.choice([i for i, load in enumerate(loads) if load == least])
+
+
+class RandomParams(Params):
+    seed: int | None = None
+
+
+class RandomPicker:
+    NAME = "random"
+    Params = RandomParams
+
+    def __init__(self, params: RandomParams | None = None) -> None:
+        self.params = params or self.Params()
+        self._rng = random.Random(self.params.seed)
+
+    def __call__(
+        self,
+        ctx: RequestContext,
+        candidates: Sequence[EndpointLoad],
+        scores: Sequence[float] | None,
+    ) -> int:
+        return self._rng.randrange(len(candidates))
+
+
+class RoundRobinPicker:
+    """Cycles through the candidates, one turn counter per model."""
+
+    NAME = "round_robin"
+    Params = Params
+
+    def __init__(self, params: Params | None = None) -> None:
+        self.params = params or self.Params()
+        self._turn: dict[str, int] = {}
+
+    def __call__(
+        self,
+        ctx: RequestContext,
+        candidates: Sequence[EndpointLoad],
+        scores: Sequence[float] | None,
+    ) -> int:
+        turn = self._turn.get(ctx.model, 0)
+        self._turn[ctx.model] = turn + 1
+        return turn % len(candidates)
+
+
+class LeastLoadedPicker:
+    """Fewest requests (`EndpointLoad.requests`); ties broken at random."""
+
+    NAME = "least_loaded"
+    Params = RandomParams
+
+    def __init__(self, params: RandomParams | None = None) -> None:
+        self.params = params or self.Params()
+        self._rng = random.Random(self.params.seed)
+
+    def __call__(
+        self,
+        ctx: RequestContext,
+        candidates: Sequence[EndpointLoad],
+        scores: Sequence[float] | None,
+    ) -> int:
+        return least_loaded(self._rng, [c.requests for c in candidates])
+
+
+class MaxScoreParams(Params):
+    """`tie_margin`: scores within this of the best are near ties, decided by power of two
+    choices on load. Imbalance gate (SGLang's cache-aware router does the same): when the most
+    loaded candidate has more than `imbalance_abs` requests above the least loaded one and more
+    than `imbalance_rel` times its load, scores are ignored and the least loaded one wins.
+
+    The gate is what stops a sticky placement (a session, a hot prefix) from overloading one
+    engine: a loaded engine's queue grows faster than its queued prefill tokens show, because
+    its requests wait for batch slots and KV, not only for prefill. Defaults 16 and 1.25 were
+    chosen on the routing benchmark (engines of 64 sequences): 32 and 1.5 let one engine in
+    four collapse in some runs of the sessions workload; raise `imbalance_abs` for engines
+    that batch many more sequences."""
+
+    tie_margin: float = Field(0.02, ge=0, le=1)
+    imbalance_abs: float = Field(16, ge=0)
+    imbalance_rel: float = Field(1.25, ge=1)
+    seed: int | None = None
+
+
+class MaxScorePicker:
+    NAME = "max_score"
+    Params = MaxScoreParams
+
+    def __init__(self, params: MaxScoreParams | None = None) -> None:
+        self.params = params or self.Params()
+        self._rng = random.Random(self.params.seed)
+
+    def imbalanced(self, loads: Sequence[float]) -> bool:
+        low, high = min(loads), max(loads)
+        p = self.params
+        return high - low > p.imbalance_abs and high > p.imbalance_rel * low
+
+    def __call__(
+        self,
+        ctx: RequestContext,
+        candidates: Sequence[EndpointLoad],
+        scores: Sequence[float] | None,
+    ) -> int:
+        loads = [c.requests for c in candidates]
+        if scores is None or self.imbalanced(loads):
+            return least_loaded(self._rng, loads)
+        best = max(scores)
+        ties = [i for i, s in enumerate(scores) if s >= best - self.params.tie_margin]
+        if len(ties) == 1:
+            return ties[0]
+        first, second = self._rng.sample(ties, 2)
+        if loads[second] < loads[first] or (
+            loads[second] == loads[first] and scores[second] > scores[first]
+        ):
+            return second
+        return first

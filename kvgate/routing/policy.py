@@ -1,0 +1,341 @@
+"""Routing policies: which filters, scorer weights, picker, pools and fallback a request gets.
+
+A policy is data (YAML in `policies/`, or one of the built-ins `random`, `round_robin`,
+`least_loaded`, `kvgate`). It has defaults and an ordered list of rules; the first rule whose
+`match` fits the request (model glob, tenant tier, latency class, header values) overrides the
+defaults with its own keys. Loading happens once, in stages: YAML → shape (unknown keys are
+errors) → build plugins with their parameters → cross-check; every problem names the file, the
+key path and the reason, all at once.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from kvgate.routing.filters import NotSaturated
+from kvgate.routing.plugins import FILTERS, PICKERS, PREFIX_SCORERS, SCORERS
+from kvgate.types import RequestContext
+
+Objective = Literal["latency", "cost", "balanced"]
+WhenSaturated = Literal["queue", "reject"]
+
+# Scorer weights each objective uses when a policy names no scorers.
+OBJECTIVE_SCORERS: dict[str, list[tuple[str, float]]] = {
+    "latency": [("predicted_ttft", 10.0), ("session_affinity", 0.5), ("kv_usage", 0.2)],
+    "cost": [
+        ("endpoint_cost", 4.0),
+        ("prefix_match", 3.0),
+        ("predicted_ttft", 2.0),
+        ("session_affinity", 0.5),
+    ],
+    "balanced": [
+        ("predicted_ttft", 4.0),
+        ("prefix_match", 2.0),
+        ("queue_depth", 1.0),
+        ("kv_usage", 1.0),
+        ("endpoint_cost", 1.0),
+        ("session_affinity", 0.5),
+    ],
+}
+DEFAULT_FILTERS = ("jurisdiction", "not_saturated")
+
+
+class PolicyError(Exception):
+    """Problems in a policy file, each `file: key.path: reason`."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PluginSpec(_Strict):
+    type: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class ScorerSpec(PluginSpec):
+    weight: float | None = None
+
+
+class FallbackSpec(_Strict):
+    pool: str | None = None
+    model: str | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> FallbackSpec:
+        if (self.pool is None) == (self.model is None):
+            raise ValueError("give exactly one of 'pool' or 'model'")
+        return self
+
+
+class MatchSpec(_Strict):
+    model: str | None = None
+    tier: list[str] | None = None
+    latency_class: list[str] | None = None
+    headers: dict[str, str] = Field(default_factory=dict)
+
+
+class ProfileSpec(_Strict):
+    objective: Objective | None = None
+    filters: list[str | PluginSpec] | None = None
+    scorers: list[ScorerSpec] | None = None
+    picker: str | PluginSpec | None = None
+    pools: list[str] | None = None
+    when_saturated: WhenSaturated | None = None
+    fallback: FallbackSpec | None = None
+
+
+class RuleSpec(ProfileSpec):
+    name: str | None = None
+    match: MatchSpec = MatchSpec()
+
+
+class PolicySpec(ProfileSpec):
+    name: str | None = None
+    description: str | None = None
+    rules: list[RuleSpec] = Field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RoutingProfile:
+    """What routing does for the requests a rule (or the defaults) covers. The facts a decision
+    needs about the profile itself (which filters judge saturation, whether a scorer reads the
+    prefix match) are derived once, here, not per request."""
+
+    objective: str
+    filters: list[Any]
+    scorers: list[tuple[Any, float]]
+    picker: Any
+    pools: tuple[str, ...] | None = None
+    when_saturated: str = "queue"
+    fallback_pool: str | None = None
+    fallback_model: str | None = None
+    plain_filters: list[Any] = field(init=False)
+    saturation_filters: list[Any] = field(init=False)
+    uses_prefix: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.saturation_filters = [f for f in self.filters if isinstance(f, NotSaturated)]
+        self.plain_filters = [f for f in self.filters if not isinstance(f, NotSaturated)]
+        self.uses_prefix = any(s.NAME in PREFIX_SCORERS for s, _ in self.scorers)
+
+
+@dataclass(slots=True)
+class Rule:
+    name: str
+    match: MatchSpec
+    profile: RoutingProfile
+
+    def matches(self, ctx: RequestContext) -> bool:
+        m = self.match
+        if m.model is not None and not fnmatch.fnmatchcase(ctx.model, m.model):
+            return False
+        if m.tier is not None and ctx.tier not in m.tier:
+            return False
+        if m.latency_class is not None:
+            latency_class = ctx.intent.latency_class if ctx.intent is not None else None
+            if latency_class not in m.latency_class:
+                return False
+        if m.headers:
+            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in ctx.client_headers}
+            for name, pattern in m.headers.items():
+                value = headers.get(name.lower())
+                if value is None or not fnmatch.fnmatchcase(value, pattern):
+                    return False
+        return True
+
+
+@dataclass(slots=True)
+class RoutingPolicy:
+    name: str
+    default: RoutingProfile
+    rules: list[Rule] = field(default_factory=list)
+
+    def profile_for(self, ctx: RequestContext) -> tuple[RoutingProfile, str]:
+        """The profile of the first matching rule (and its name), else the defaults."""
+        for rule in self.rules:
+            if rule.matches(ctx):
+                return rule.profile, rule.name
+        return self.default, "default"
+
+    @property
+    def uses_prefix(self) -> bool:
+        return self.default.uses_prefix or any(r.profile.uses_prefix for r in self.rules)
+
+    @property
+    def pools(self) -> set[str]:
+        """Every pool the policy names (to cross-check against the config)."""
+        named: set[str] = set()
+        for profile in [self.default, *(r.profile for r in self.rules)]:
+            named.update(profile.pools or ())
+            if profile.fallback_pool:
+                named.add(profile.fallback_pool)
+        return named
+
+
+def _key_path(loc: Sequence[str | int]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def _build(
+    registry: dict[str, Any], kind: str, spec: str | PluginSpec, where: str, problems: list[str]
+) -> Any:
+    plugin_type = spec if isinstance(spec, str) else spec.type
+    params = {} if isinstance(spec, str) else spec.params
+    cls = registry.get(plugin_type)
+    if cls is None:
+        problems.append(
+            f"{where}: unknown {kind} '{plugin_type}' (one of: {', '.join(sorted(registry))})"
+        )
+        return None
+    try:
+        return cls(cls.Params.model_validate(params))
+    except ValidationError as exc:
+        for error in exc.errors():
+            path = _key_path(error["loc"])
+            problems.append(
+                f"{where}.params.{path}: {error['msg'].removeprefix('Value error, ')}"
+                if error["loc"]
+                else f"{where}.params: {error['msg']}"
+            )
+        return None
+
+
+def _profile(
+    spec: ProfileSpec, base: ProfileSpec | None, where: str, problems: list[str]
+) -> RoutingProfile:
+    def pick(key: str) -> Any:
+        value = getattr(spec, key)
+        return value if value is not None or base is None else getattr(base, key)
+
+    prefix = f"{where}." if where else ""
+    objective = pick("objective") or "latency"
+    filter_specs = pick("filters")
+    if filter_specs is None:
+        filter_specs = list(DEFAULT_FILTERS)
+        filters_where = f"{prefix}objective"
+    else:
+        filters_where = f"{prefix}filters" if spec.filters is not None else "filters"
+    filters = [
+        _build(FILTERS, "filter", f, f"{filters_where}[{i}]", problems)
+        for i, f in enumerate(filter_specs)
+    ]
+    scorer_specs = pick("scorers")
+    scorers: list[tuple[Any, float]] = []
+    if scorer_specs is None:
+        for name, weight in OBJECTIVE_SCORERS[objective]:
+            scorers.append((SCORERS[name](), weight))
+    else:
+        scorers_where = f"{prefix}scorers" if spec.scorers is not None else "scorers"
+        for i, s in enumerate(scorer_specs):
+            here = f"{scorers_where}[{i}]"
+            if s.weight is None:
+                problems.append(f"{here}.weight: a scorer needs a weight")
+                continue
+            if s.weight <= 0:
+                problems.append(f"{here}.weight: must be greater than 0")
+                continue
+            scorer = _build(SCORERS, "scorer", s, here, problems)
+            if scorer is not None:
+                scorers.append((scorer, s.weight))
+    picker_spec = pick("picker") or "max_score"
+    picker = _build(
+        PICKERS,
+        "picker",
+        picker_spec,
+        f"{prefix}picker" if spec.picker is not None else "picker",
+        problems,
+    )
+    fallback = pick("fallback")
+    return RoutingProfile(
+        objective=objective,
+        filters=[f for f in filters if f is not None],
+        scorers=scorers,
+        picker=picker,
+        pools=tuple(pools) if (pools := pick("pools")) else None,
+        when_saturated=pick("when_saturated") or "queue",
+        fallback_pool=fallback.pool if fallback else None,
+        fallback_model=fallback.model if fallback else None,
+    )
+
+
+def build_policy(data: Any, source: str) -> RoutingPolicy:
+    """Validate a parsed policy tree and build its plugins; PolicyError lists every problem."""
+    if not isinstance(data, dict):
+        raise PolicyError([f"{source}: (top level): must be a mapping of keys to values"])
+    try:
+        spec = PolicySpec.model_validate(data)
+    except ValidationError as exc:
+        raise PolicyError(
+            [
+                f"{source}: {_key_path(e['loc'])}: "
+                + (
+                    "unknown key"
+                    if e["type"] == "extra_forbidden"
+                    else e["msg"].removeprefix("Value error, ")
+                )
+                for e in exc.errors()
+            ]
+        ) from None
+    problems: list[str] = []
+    default = _profile(spec, None, "", problems)
+    rules = [
+        Rule(r.name or f"rules[{i}]", r.match, _profile(r, spec, f"rules[{i}]", problems))
+        for i, r in enumerate(spec.rules)
+    ]
+    if problems:
+        raise PolicyError([f"{source}: {p}" for p in problems])
+    return RoutingPolicy(spec.name or Path(source).stem, default, rules)
+
+
+def load_policy(path: str | Path) -> RoutingPolicy:
+    """Read and build a policy file."""
+    source = str(path)
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise PolicyError([f"{source}: (file): cannot read: {exc.strerror}"]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "(file)"
+        raise PolicyError(
+            [f"{source}: {where}: invalid YAML: {getattr(exc, 'problem', None) or exc}"]
+        ) from None
+    return build_policy(data, source)
+
+
+# kvgate's default: the latency objective, with a saturation filter that only drops an endpoint
+# whose queue is far beyond what its predicted-TTFT cost already prices. With the endpoints' own
+# limit (5 waiting, when admission starts holding requests) a group left its prefix holder at
+# the first short queue and the fleet thrashed its caches (benchmarks/RESULTS.md).
+KVGATE_POLICY: dict[str, Any] = {
+    "name": "kvgate",
+    "objective": "latency",
+    "filters": ["jurisdiction", {"type": "not_saturated", "params": {"max_waiting": 32}}],
+}
+
+
+def builtin_policy(name: str) -> RoutingPolicy:
+    """`random`, `round_robin`, `least_loaded` (no scorers, engines queue) or `kvgate`."""
+    if name == "kvgate":
+        return build_policy(KVGATE_POLICY, "<builtin:kvgate>")
+    return build_policy(
+        {"name": name, "filters": ["jurisdiction"], "scorers": [], "picker": name},
+        f"<builtin:{name}>",
+    )

@@ -1,0 +1,100 @@
+"""The core contracts every stage shares: the request context and the stage protocol."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from kvgate.chain.intent import Intent
+    from kvgate.chain.tenants import Tenant
+    from kvgate.routing.endpoints import Endpoint
+    from kvgate.routing.match import PrefixMatch
+
+Headers = list[tuple[bytes, bytes]]
+
+
+def header_value(headers: Headers, name: bytes) -> bytes | None:
+    """The first value of header `name` (lower-case, as ASGI gives names), or None."""
+    for key, value in headers:
+        if key == name:
+            return value
+    return None
+
+
+@dataclass(slots=True)
+class RequestContext:
+    """One request on its way through the chain; each stage reads it and fills in its part.
+
+    Resources a stage takes (slots, reservations, in-flight counts) are released through
+    `on_finish` callbacks, which run exactly once when the request ends on any path.
+    """
+
+    request_id: str
+    route: str
+    upstream_path: str
+    client_headers: Headers
+    body: bytes
+    payload: dict[str, Any]
+    model: str
+    stream: bool
+    started: float = field(default_factory=time.perf_counter)
+    endpoint: Endpoint | None = None
+    status: int = 0
+    outcome: str = "pending"
+    committed: bool = False
+    responded: bool = False
+    client_gone: bool = False
+    first_token_at: float | None = None
+    usage: dict[str, Any] | None = None
+    # Request chain (kvgate/chain): who asks, what kind of work it is, and by when.
+    tenant: Tenant | None = None
+    key_id: str | None = None
+    # The client asked to see routing scores and may (kvgate/chain/auth.py).
+    explain: bool = False
+    intent: Intent | None = None
+    tier: str = ""
+    # Lower runs first: latency-class rank x 100 + tier priority (see docs/tenants.md).
+    priority: int = 0
+    # Absolute time.perf_counter() by which the whole request must be finished.
+    deadline: float | None = None
+    # Salt of the tenant's prefix-cache namespace (also set as `cache_salt` in the body).
+    cache_salt: str | None = None
+    # Jurisdictions the request may be served in (endpoint label `jurisdiction`); None: any.
+    allowed_jurisdictions: frozenset[str] | None = None
+    # SSE data events relayed to the client (streams), for usage estimates without `usage`.
+    relayed_events: int = 0
+    # Routing: prefix match data computed once by the picker (retries reuse it), and headers
+    # the gateway adds to the response next to x-kvgate-endpoint (e.g. the route explanation).
+    prefix: PrefixMatch | None = None
+    response_headers: Headers = field(default_factory=list)
+    # Resilience (kvgate/upstream): upstream attempts dispatched (retries and resumes
+    # included), streams resumed on another endpoint, and the prompt tokens re-read to do so.
+    attempts: int = 0
+    resumes: int = 0
+    resume_overhead_tokens: int = 0
+    _finishers: list[Callable[[RequestContext], None]] = field(default_factory=list)
+
+    def on_finish(self, callback: Callable[[RequestContext], None]) -> None:
+        self._finishers.append(callback)
+
+    def finish(self) -> None:
+        """Run every release callback once, newest first, even if one of them fails."""
+        finishers, self._finishers = self._finishers, []
+        errors: list[BaseException] = []
+        for callback in reversed(finishers):
+            try:
+                callback(self)
+            except Exception as exc:  # a failing release must not skip the others
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+
+class Stage(Protocol):
+    """A step of the request chain. It enriches the context or raises a KvgateError to refuse;
+    whatever it takes it releases through `ctx.on_finish`."""
+
+    async def __call__(self, ctx: RequestContext) -> None: ...

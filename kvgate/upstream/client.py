@@ -1,0 +1,25 @@
+"""The one pooled HTTP client a gateway process uses to reach its engines."""
+
+from __future__ import annotations
+
+import httpx
+
+from kvgate.config import TimeoutsConfig, UpstreamConfig
+
+
+def build_upstream_client(upstream: UpstreamConfig, timeouts: TimeoutsConfig) -> httpx.AsyncClient:
+    """Keep-alive pool with bounded size. Only the connect phase uses httpx's own timeout: the
+    first-token, stall and total deadlines are enforced by the relay, which knows the phase.
+    `trust_env=False` so that proxy variables of the host never reroute engine traffic."""
+    return httpx.AsyncClient(
+        limits=httpx.Limits(
+            max_connections=upstream.max_connections,
+            max_keepalive_connections=upstream.max_keepalive_connections,
+            keepalive_expiry=upstream.keepalive_expiry,
+        ),
+        timeout=httpx.Timeout(
+            connect=timeouts.connect, read=None, write=timeouts.connect, pool=timeouts.connect
+        ),
+        follow_redirects=False,
+        trust_env=False,
+    )

@@ -1,0 +1,62 @@
+"""Which request headers travel upstream, and which the gateway adds."""
+
+from __future__ import annotations
+
+import os
+import re
+
+from kvgate.types import Headers
+
+# RFC 9110 §7.6.1 hop-by-hop headers, plus those kvgate sets itself or must never forward:
+# the client's Authorization (the endpoint's own key is used), Host, framing and encoding.
+_NEVER_FORWARD = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"host",
+        b"content-length",
+        b"authorization",
+        b"accept-encoding",
+        b"x-request-id",
+        b"proxy-connection",
+    }
+)
+_GATEWAY_PREFIX = b"x-kvgate-"
+_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:\-]{1,128}")
+
+
+def request_id_from(headers: Headers) -> str:
+    """The client's X-Request-Id when it is sane, else a fresh one."""
+    for name, value in headers:
+        if name == b"x-request-id" and _REQUEST_ID.fullmatch(value):
+            return value.decode()
+    return os.urandom(16).hex()  # 128 random bits, as uuid4().hex but without the UUID object
+
+
+def upstream_headers(
+    client_headers: Headers, request_id: str, auth_header: bytes | None
+) -> Headers:
+    """Client headers minus hop-by-hop ones (and any named in Connection), plus the request id
+    and the endpoint's credentials. `traceparent` and other end-to-end headers pass through."""
+    named_in_connection: set[bytes] = set()
+    for name, value in client_headers:
+        if name == b"connection":
+            named_in_connection.update(t.strip().lower() for t in value.split(b","))
+    out: Headers = [
+        (name, value)
+        for name, value in client_headers
+        if name not in _NEVER_FORWARD
+        and name not in named_in_connection
+        and not name.startswith(_GATEWAY_PREFIX)
+    ]
+    out.append((b"x-request-id", request_id.encode()))
+    out.append((b"accept-encoding", b"identity"))
+    if auth_header is not None:
+        out.append((b"authorization", auth_header))
+    return out

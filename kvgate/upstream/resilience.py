@@ -1,0 +1,134 @@
+"""The resilience state of a gateway process, built once at app assembly from the config.
+
+Per pool: a retry budget, a client-side throttle, an ejection group. Per endpoint: a circuit
+breaker, installed as `Endpoint.breaker` so that routing skips endpoints it does not admit.
+`AttemptRecord` is the bookkeeping of one upstream attempt against all of them.
+"""
+
+from __future__ import annotations
+
+from kvgate.config import Config, ResilienceConfig
+from kvgate.routing.endpoints import Endpoint, Fleet
+from kvgate.upstream.attempts import Verdict
+from kvgate.upstream.breaker import EjectionGroup, EndpointBreaker
+from kvgate.upstream.observer import NULL_OBSERVER, ResilienceObserver
+from kvgate.upstream.retry_budget import RetryBudget
+from kvgate.upstream.throttle import AdaptiveThrottle
+
+
+class Resilience:
+    def __init__(
+        self, config: Config, fleet: Fleet, observer: ResilienceObserver = NULL_OBSERVER
+    ) -> None:
+        settings: ResilienceConfig = config.resilience
+        self.settings = settings
+        self.observer = observer
+        self.resume_pools = frozenset(p.name for p in config.pools if p.resume)
+        self.budgets = {p.name: RetryBudget(settings.retry_budget) for p in fleet.pools}
+        self.throttles = {p.name: AdaptiveThrottle(settings.throttle) for p in fleet.pools}
+        self.breakers: dict[Endpoint, EndpointBreaker] = {}
+        for pool in fleet.pools:
+            group = EjectionGroup(settings.breaker.max_ejected_fraction)
+            for endpoint in pool.endpoints:
+                breaker = EndpointBreaker(endpoint.name, settings.breaker, group, observer)
+                self.breakers[endpoint] = breaker
+                endpoint.breaker = breaker
+
+    def health_recovered(self, endpoint: Endpoint) -> None:
+        """Hook for the health monitor: `endpoint` passed its check after failing it."""
+        breaker = self.breakers.get(endpoint)
+        if breaker is not None:
+            breaker.health_recovered()
+
+    def begin(self, endpoint: Endpoint) -> AttemptRecord | None:
+        """Start the bookkeeping of an attempt, or None when the pool's throttle rejects it."""
+        throttle = self.throttles[endpoint.pool]
+        if not throttle.admit():
+            self.observer.throttled(endpoint.pool)
+            return None
+        return AttemptRecord(endpoint.name, self.breakers[endpoint], throttle, self.observer)
+
+
+class AttemptRecord:
+    """Reports one attempt to its breaker, throttle and observer, each exactly once:
+    `first_token` at commit (a half-open probe's success), then one of `succeeded`, `failed` or
+    `abandoned` (client gone, gateway-side refusal: neither success nor failure)."""
+
+    __slots__ = (
+        "_committed",
+        "_counted",
+        "_done",
+        "breaker",
+        "name",
+        "observer",
+        "throttle",
+        "token",
+    )
+
+    def __init__(
+        self,
+        name: str,
+        breaker: EndpointBreaker,
+        throttle: AdaptiveThrottle,
+        observer: ResilienceObserver,
+    ) -> None:
+        self.name = name
+        self.breaker = breaker
+        self.throttle = throttle
+        self.observer = observer
+        self.token = breaker.begin()
+        self._committed = False
+        self._counted = False
+        self._done = False
+
+    @property
+    def probe(self) -> bool:
+        return self.breaker.is_probe(self.token)
+
+    def first_token(self) -> None:
+        if not self._committed:
+            self._committed = True
+            self.breaker.committed(self.token)
+            self._count(accepted=True)
+
+    def succeeded(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._committed = True
+        self.breaker.success(self.token)
+        self._count(accepted=True)
+        self.observer.attempt_finished(self.name, "ok")
+
+    def failed(self, verdict: Verdict) -> None:
+        if self._done:
+            return
+        self._done = True
+        if verdict.endpoint_failure:
+            self.breaker.failure(self.token)
+        else:
+            self.breaker.release(self.token)
+        if verdict.hold:
+            self.breaker.hold(verdict.hold)
+        self._count(accepted=not verdict.overload)
+        result = (
+            "failure"
+            if verdict.endpoint_failure
+            else "overload"
+            if verdict.overload
+            else "client_error"
+        )
+        self.observer.attempt_finished(self.name, result)
+
+    def _count(self, accepted: bool) -> None:
+        """Report the attempt to the throttle once: at its first token, or at its end."""
+        if not self._counted:
+            self._counted = True
+            self.throttle.record(accepted)
+
+    def abandoned(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        self.breaker.release(self.token)
+        self.observer.attempt_finished(self.name, "released")

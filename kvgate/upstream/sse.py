@@ -1,0 +1,97 @@
+"""Incremental server-sent-events scanner for relayed engine streams.
+
+It never changes or re-serialises the bytes: it only finds event boundaries so the relay knows
+when the first event arrived, whether the stream ended with `[DONE]` or an error event, and what
+usage the engine reported. Only events that may carry usage or an error are JSON-parsed.
+
+`feed` returns the bytes of the events it completed, so the relay forwards whole events only:
+a stream that breaks mid-event never leaves half an event before the error event.
+
+Malformed events are detected cheaply, without parsing: a data payload other than `[DONE]`
+must start with `{` and end with `}` (every engine sends one JSON object per event). A
+truncated or garbage event fails that check and raises SseProtocolError before it is relayed.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import orjson
+
+_BOUNDARY = re.compile(rb"\r?\n\r?\n")
+MAX_PENDING_BYTES = 1024 * 1024
+
+
+class SseProtocolError(Exception):
+    """The upstream stream cannot be understood as server-sent events."""
+
+
+class SseScanner:
+    """Feed raw chunks in arrival order; read `data_events`, `done`, `error`, `usage`."""
+
+    __slots__ = ("_tail", "data_events", "done", "error", "usage")
+
+    def __init__(self) -> None:
+        self._tail = b""
+        self.data_events = 0
+        self.done = False
+        self.error: dict[str, Any] | None = None
+        self.usage: dict[str, Any] | None = None
+
+    @property
+    def terminated(self) -> bool:
+        """True once the stream ended properly: `[DONE]` or an error event."""
+        return self.done or self.error is not None
+
+    def feed(self, chunk: bytes) -> bytes:
+        """Scan `chunk`; return the bytes of the events it completed (possibly b"")."""
+        buffer = self._tail + chunk if self._tail else chunk
+        # Engines end lines with LF; the regex (which also accepts CRLF) only runs when a CR is
+        # present, as bytes.split is several times faster per chunk.
+        events = _BOUNDARY.split(buffer) if b"\r" in buffer else buffer.split(b"\n\n")
+        self._tail = events.pop()
+        if len(self._tail) > MAX_PENDING_BYTES:
+            raise SseProtocolError("upstream sent an event larger than 1 MiB")
+        for event in events:
+            self._event(event)
+        return buffer[: len(buffer) - len(self._tail)] if self._tail else buffer
+
+    def flush(self) -> bytes:
+        """Bytes held back after the last complete event (relayed once the stream ended)."""
+        tail, self._tail = self._tail, b""
+        return tail
+
+    def _event(self, event: bytes) -> None:
+        if not event.startswith(b"data:"):
+            # comments (":" keep-alives), "event:"/"id:" fields or multi-line events
+            data = b"".join(line[5:] for line in event.splitlines() if line.startswith(b"data:"))
+            if not data:
+                return
+        else:
+            data = event[5:]
+        self.data_events += 1
+        data = data.strip()
+        if data == b"[DONE]":
+            self.done = True
+            return
+        if data[:1] != b"{" or data[-1:] != b"}":
+            raise SseProtocolError("the engine sent a malformed event (not a JSON object)")
+        if b'"error"' in data or b'"usage"' in data:
+            self._inspect(data)
+
+    def _inspect(self, data: bytes) -> None:
+        try:
+            parsed = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return
+        if not isinstance(parsed, dict):
+            return
+        error = parsed.get("error")
+        if isinstance(error, dict):
+            self.error = error
+        elif parsed.get("object") == "error":
+            self.error = parsed
+        usage = parsed.get("usage")
+        if isinstance(usage, dict):
+            self.usage = usage
