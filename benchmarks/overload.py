@@ -50,7 +50,7 @@ from services import free_port, gateway, service
 from kvgate.chain.classify import Classifier
 from kvgate.chain.settings import DEFAULT_TIERS, ClassificationConfig, TenantConfig
 from kvgate.chain.tenants import build_tenant
-from kvgate.types import RequestContext
+from kvgate.ingress import request_context
 
 MODEL = "sim-model"
 MAX_NUM_SEQS = 8
@@ -380,7 +380,7 @@ def _classifier_cost() -> float:
         (b"x-kvgate-workflow-id", b"wf-1"),
         (b"x-kvgate-workflow-step", b"2/5"),
     ]
-    ctx = RequestContext("r", "chat", "/v1/chat/completions", headers, b"", payload, MODEL, False)
+    ctx = request_context("chat", payload, headers=headers)
     rounds = 20000
     start = time.perf_counter()
     for _ in range(rounds):

@@ -175,8 +175,8 @@ def ideal_reuse(plans: list[Planned], block_chars: int = 64) -> tuple[float, flo
     """The fraction of prompt text one engine with an infinite cache would reuse, and the
     reusable working set in simulator tokens: the text of every distinct block reused at least
     once, counted with the simulator's tokenizer."""
+    from kvgate.prompt_view import prompt_text
     from kvgate.routing.prefix_index import PrefixHasher
-    from kvgate.routing.prompt_text import prompt_text
     from kvgate.sim.tokenizer import count_tokens
 
     hasher = PrefixHasher(block_chars, max_blocks=1_000_000)
@@ -419,10 +419,12 @@ def _p50_p99(samples: list[float]) -> dict[str, float]:
 
 
 def micro() -> dict[str, Any]:
+    from kvgate.ingress import request_context
     from kvgate.routing.endpoints import Endpoint, Fleet, Pool
-    from kvgate.routing.picker import PolicyPicker, RoutingServices
-    from kvgate.routing.policy import builtin_policy
+    from kvgate.routing.policy_catalog import builtin_policy
     from kvgate.routing.prefix_index import EndpointBlocks, PrefixHasher, PrefixIndex
+    from kvgate.routing.router import PolicyPicker
+    from kvgate.routing.services import RoutingServices
     from kvgate.routing.settings import RoutingConfig
     from kvgate.routing.telemetry import EngineTelemetry
     from kvgate.types import RequestContext
@@ -444,16 +446,7 @@ def micro() -> dict[str, Any]:
 
     def ctx(text: str) -> RequestContext:
         payload = {"model": MODEL, "messages": [{"role": "user", "content": text}]}
-        return RequestContext(
-            request_id="b",
-            route="chat",
-            upstream_path="/",
-            client_headers=[],
-            body=b"",
-            payload=payload,
-            model=MODEL,
-            stream=True,
-        )
+        return request_context("chat", {**payload, "stream": True}, upstream_path="/")
 
     def decisions(shared: bool) -> tuple[dict[str, float], dict[str, float], PrefixIndex]:
         """3,000 decisions for ≈ 8k-token prompts over 64 endpoints: 32 shared system prompts

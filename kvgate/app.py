@@ -23,24 +23,26 @@ from kvgate.chain.auth import AuthStage
 from kvgate.chain.classify import Classifier, ClassifyStage
 from kvgate.chain.pipeline import RequestChain
 from kvgate.chain.tenants import TenantDirectory
-from kvgate.config import Config
+from kvgate.config import Config, StateConfig
 from kvgate.errors import KvgateError, MethodNotAllowed, NotFound
-from kvgate.ingress import INFERENCE_ROUTES, ClientGone, parse_payload, read_body
+from kvgate.ingress import INFERENCE_ROUTES, ClientGone, parse_payload, read_body, request_context
 from kvgate.observability.access_log import AccessLog
-from kvgate.observability.metrics import GatewayMetrics
+from kvgate.observability.metrics import AdmissionMetrics, GatewayMetrics
 from kvgate.observability.resilience import BreakerStateCollector, ResilienceMetrics
+from kvgate.observability.routing import RoutingCollector
 from kvgate.observability.state import StateCollector
+from kvgate.request_options import REQUEST_ID, parse_request_options, request_id_from
 from kvgate.routing.endpoints import Fleet, build_pool
 from kvgate.routing.health import HealthMonitor
-from kvgate.routing.metrics import RoutingCollector
-from kvgate.routing.picker import PickStage, RoutingServices, build_router
+from kvgate.routing.policy_catalog import load_policies
 from kvgate.routing.prefix_index import PrefixIndex
+from kvgate.routing.router import ModelFallbackStage, PickStage, build_router
+from kvgate.routing.services import RoutingServices
+from kvgate.routing.shared_index import SharedPrefixIndex
 from kvgate.routing.telemetry import TelemetryScraper
-from kvgate.state import EndpointLoad, build_store
-from kvgate.state.prefix_sync import SharedPrefixIndex
+from kvgate.state import MemoryStore, RedisStore, RedisStoreSettings, ReplicaLoad
 from kvgate.types import RequestContext
-from kvgate.upstream.client import build_upstream_client
-from kvgate.upstream.headers import request_id_from
+from kvgate.upstream.control_client import build_control_client
 from kvgate.upstream.relay import Forwarder
 from kvgate.upstream.resilience import Resilience
 from kvgate.upstream.transport import UpstreamTransport
@@ -52,19 +54,39 @@ _OPERATIONAL_ROUTES = frozenset({"/v1/models", "/healthz", "/readyz", "/metrics"
 _PROMETHEUS = b"text/plain; version=0.0.4; charset=utf-8"
 
 
+def build_store(config: StateConfig) -> MemoryStore | RedisStore:
+    if config.backend == "memory":
+        return MemoryStore()
+    assert config.url is not None
+    return RedisStore(
+        RedisStoreSettings(
+            url=config.url,
+            prefix=config.key_prefix,
+            op_timeout=config.op_timeout,
+            heartbeat_interval=config.heartbeat_interval,
+            snapshot_interval=config.snapshot_interval,
+            stream_maxlen=config.stream_maxlen,
+        )
+    )
+
+
 class GatewayApp:
+    """Assembled from a validated Config; raises ConfigError when a pool's routing policy
+    cannot be loaded (`kvgate check-config` reports the same problems)."""
+
     def __init__(self, config: Config) -> None:
         self.config = config
         self.fleet = Fleet(build_pool(p, config.routing) for p in config.pools)
         self.store = build_store(config.state)
         self.routing = RoutingServices.from_config(
             config.routing,
+            config.classification.chars_per_token,
             functools.partial(SharedPrefixIndex, self.store)
             if config.state.backend == "redis"
             else PrefixIndex,
         )
         self.routing.index.add_endpoints(e.name for e in self.fleet.endpoints)
-        self.picker = build_router(config, self.fleet, self.routing)
+        self.picker = build_router(self.fleet, load_policies(config), self.routing)
         self.metrics = GatewayMetrics(self.fleet)
         self.metrics.registry.register(RoutingCollector(self.fleet, self.routing))
         self.metrics.registry.register(StateCollector(self.store, self.fleet))
@@ -72,11 +94,20 @@ class GatewayApp:
         self.tenants = TenantDirectory(config.auth, config.tiers)
         self.classifier = Classifier(config.classification)
         self.admission = AdmissionController(
-            self.fleet, self.store.quotas, self.classifier, config.admission, self.metrics
+            self.fleet,
+            self.store.quotas,
+            self.classifier,
+            config.admission,
+            AdmissionMetrics(self.metrics.registry),
         )
-        self.admin = AdminRoutes(self.tenants, self.classifier, self.admission)
+        self.admin = AdminRoutes(
+            self.tenants,
+            self.classifier,
+            self.admission,
+            config.classification.chars_per_token,
+        )
         # httpx for the control plane (health, discovery, telemetry); aiohttp for the data path.
-        self.client = build_upstream_client(config.upstream, config.timeouts)
+        self.client = build_control_client(config.upstream, config.timeouts)
         self.transport = UpstreamTransport(config.upstream, config.timeouts.connect)
         # Breakers on every endpoint, retry budgets and throttles per pool (docs/resilience.md).
         self.resilience = Resilience(config, self.fleet, ResilienceMetrics(self.metrics.registry))
@@ -95,8 +126,9 @@ class GatewayApp:
             stages=[
                 AuthStage(self.tenants),  # 401 / 403; tenant, cache salt
                 ClassifyStage(self.classifier),  # Intent: class, deadline, priority
+                ModelFallbackStage(self.picker),  # a smaller model when the pool is saturated
                 AdmissionStage(self.admission),  # 429 quotas; waits or 503 when saturated
-                PickStage(self.picker),
+                PickStage(self.picker),  # the endpoint (prefix/KV aware)
             ],
             forward=Forwarder(
                 self.transport,
@@ -162,9 +194,10 @@ class GatewayApp:
                 return
 
     async def _inference(self, route: str, scope: Scope, receive: Receive, send: Send) -> None:
+        """Ingress: every client input (method, body, schema, option headers) is checked here,
+        before any stage takes quota, a queue place or an engine."""
         started = time.perf_counter()
         headers = scope["headers"]
-        request_id = request_id_from(headers)
         try:
             if scope["method"] != "POST":
                 raise MethodNotAllowed(
@@ -172,35 +205,35 @@ class GatewayApp:
                     code="method_not_allowed",
                 )
             body = await read_body(headers, receive, self.config.server.max_body_bytes)
-            payload, model, stream = parse_payload(route, body)
+            payload, _, _ = parse_payload(route, body)
+            ctx = request_context(
+                route,
+                payload,
+                headers=headers,
+                body=body,
+                upstream_path=scope["path"],
+                chars_per_token=self.config.classification.chars_per_token,
+                options=parse_request_options(headers),
+                started=started,
+            )
         except ClientGone:
             return
         except KvgateError as error:
-            extra = [(b"x-request-id", request_id.encode())]
+            request_id = request_id_from(headers)
+            extra = [(REQUEST_ID, request_id.encode())]
             if isinstance(error, MethodNotAllowed):
                 extra.append((b"allow", b"POST"))
             await send_error(send, error, extra)
             self.metrics.observe_rejected(route, error.status, str(error.code))
             self.access_log.rejected(request_id, route, error)
             return
-        ctx = RequestContext(
-            request_id=request_id,
-            route=route,
-            upstream_path=scope["path"],
-            client_headers=headers,
-            body=body,
-            payload=payload,
-            model=model,
-            stream=stream,
-            started=started,
-        )
         await self.chain.handle(ctx, receive, send)
 
-    def _local_load(self) -> dict[str, EndpointLoad]:
-        return {e.name: EndpointLoad(e.inflight, e.prefill_tokens) for e in self.fleet.endpoints}
+    def _local_load(self) -> dict[str, ReplicaLoad]:
+        return {e.name: ReplicaLoad(e.inflight, e.prefill_tokens) for e in self.fleet.endpoints}
 
-    def _apply_peer_load(self, peers: Mapping[str, EndpointLoad]) -> None:
-        none = EndpointLoad()
+    def _apply_peer_load(self, peers: Mapping[str, ReplicaLoad]) -> None:
+        none = ReplicaLoad()
         for endpoint in self.fleet.endpoints:
             load = peers.get(endpoint.name, none)
             endpoint.peer_inflight = load.inflight

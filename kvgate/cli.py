@@ -10,30 +10,46 @@ import os
 import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 
 from kvgate import __version__
 from kvgate.config import Config, ConfigError, load_config, parse_config
+from kvgate.routing.policy import RoutingPolicy
+from kvgate.routing.policy_catalog import BUILTIN, load_policies, shipped_names, shipped_text
 
 DEMO_MODEL = "sim-model"
 DEMO_ENGINES = 2
 
 
-def _uvicorn_config(app: object, host: str, port: int, log_level: str) -> uvicorn.Config:
-    return uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        loop="uvloop",
-        http="httptools",
-        lifespan="on",
-        access_log=False,
-        log_level=log_level,
-        server_header=False,
-        timeout_graceful_shutdown=5,
-        proxy_headers=False,
-    )  # kvgate reads no client address
+def _uvicorn_options(host: str, port: int, log_level: str) -> dict[str, Any]:
+    """The server options of every way kvgate runs uvicorn (one process or several)."""
+    return {
+        "host": host,
+        "port": port,
+        "loop": "uvloop",
+        "http": "httptools",
+        "lifespan": "on",
+        "access_log": False,
+        "log_level": log_level,
+        "server_header": False,
+        "timeout_graceful_shutdown": 5,
+        "proxy_headers": False,  # kvgate reads no client address
+    }
+
+
+def _loaded(path: Path) -> tuple[Config, dict[str, RoutingPolicy]] | None:
+    """The config file and its pools' routing policies, or None after printing every problem
+    (config and policies alike)."""
+    try:
+        config = load_config(path)
+        return config, load_policies(config)
+    except ConfigError as exc:
+        for problem in exc.problems:
+            print(f"{exc.source}: {problem}", file=sys.stderr)
+        print(f"{exc.source}: {len(exc.problems)} problem(s)", file=sys.stderr)
+        return None
 
 
 def _setup_logging(level: str) -> None:
@@ -49,11 +65,10 @@ def _setup_logging(level: str) -> None:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from kvgate.app import CONFIG_ENV, GatewayApp
 
-    try:
-        config = load_config(args.config)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
+    loaded = _loaded(args.config)
+    if loaded is None:
         return 1
+    config, _ = loaded
     host = args.host or config.server.host
     port = args.port if args.port is not None else config.server.port
     _setup_logging(args.log_level)
@@ -73,30 +88,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             "kvgate.app:app_from_env",
             factory=True,
             workers=args.workers,
-            host=host,
-            port=port,
-            loop="uvloop",
-            http="httptools",
-            lifespan="on",
-            access_log=False,
-            log_level=args.log_level,
-            server_header=False,
-            timeout_graceful_shutdown=5,
-            proxy_headers=False,
+            **_uvicorn_options(host, port, args.log_level),
         )
         return 0
-    uvicorn.Server(_uvicorn_config(GatewayApp(config), host, port, args.log_level)).run()
+    app = GatewayApp(config)
+    uvicorn.Server(uvicorn.Config(app, **_uvicorn_options(host, port, args.log_level))).run()
     return 0
 
 
 def _cmd_check_config(args: argparse.Namespace) -> int:
-    try:
-        config = load_config(args.file)
-    except ConfigError as exc:
-        for problem in exc.problems:
-            print(f"{exc.source}: {problem}", file=sys.stderr)
-        print(f"{exc.source}: {len(exc.problems)} problem(s)", file=sys.stderr)
+    loaded = _loaded(args.file)
+    if loaded is None:
         return 1
+    config, _ = loaded
     endpoints = sum(len(p.endpoints) for p in config.pools)
     print(f"{args.file}: OK ({len(config.pools)} pool(s), {endpoints} endpoint(s))")
     return 0
@@ -161,7 +165,6 @@ async def _run_demo(host: str, port: int, log_level: str) -> None:
     from kvgate.app import GatewayApp
     from kvgate.sim import EngineOptions, SimFleet
 
-    options = EngineOptions(flavor="vllm", models=[DEMO_MODEL], profile="realistic")
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -176,7 +179,8 @@ async def _run_demo(host: str, port: int, log_level: str) -> None:
     options = EngineOptions(flavor="vllm", models=[DEMO_MODEL], profile="realistic")
     async with SimFleet(engines=DEMO_ENGINES, base_port=0, options=options) as fleet:
         config = demo_config(list(fleet.urls), bound)
-        server = uvicorn.Server(_uvicorn_config(GatewayApp(config), host, bound, log_level))
+        app = GatewayApp(config)
+        server = uvicorn.Server(uvicorn.Config(app, **_uvicorn_options(host, bound, log_level)))
         shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         print(
             _SNIPPET.format(base=f"http://{shown}:{bound}/v1", n=DEMO_ENGINES, model=DEMO_MODEL),
@@ -189,6 +193,26 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level)
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_run_demo(args.host, args.port, args.log_level))
+    return 0
+
+
+def _cmd_policies(args: argparse.Namespace) -> int:
+    if args.policies_command == "list":
+        for name in BUILTIN:
+            print(f"{name}\tbuilt in")
+        for name in shipped_names():
+            print(f"{name}\tshipped (kvgate policies show {name})")
+        return 0
+    text = shipped_text(args.name)
+    if text is None:
+        known = ", ".join(shipped_names())
+        print(
+            f"kvgate policies show: no shipped policy '{args.name}' (one of: {known}; "
+            f"{', '.join(BUILTIN)} are built into the code)",
+            file=sys.stderr,
+        )
+        return 1
+    print(text, end="")
     return 0
 
 
@@ -237,6 +261,15 @@ def build_parser() -> argparse.ArgumentParser:
     owner.add_argument("--admin", action="store_true", help="an admin key (admin routes)")
     new.add_argument("--id", help="key id (default: tenant name and 6 random hex digits)")
     new.set_defaults(func=_cmd_keys_new)
+
+    policies = commands.add_parser("policies", help="list or print the shipped routing policies")
+    policy_commands = policies.add_subparsers(
+        dest="policies_command", required=True, metavar="COMMAND"
+    )
+    policy_commands.add_parser("list", help="every name `policy:` accepts without a path")
+    show = policy_commands.add_parser("show", help="print a shipped policy's YAML to copy")
+    show.add_argument("name")
+    policies.set_defaults(func=_cmd_policies)
 
     check = commands.add_parser("check-config", help="validate a config file and list problems")
     check.add_argument("file", type=Path)

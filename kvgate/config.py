@@ -1,9 +1,12 @@
 """Typed gateway configuration, loaded from YAML in stages.
 
 Stages: parse YAML → substitute `${ENV}` in strings → validate types (pydantic, unknown keys are
-errors) → cross-check references. Every problem is reported as `file: key.path: reason`, all of
-them at once, so `kvgate check-config` can print the full list. The running code never
-re-validates: a `Config` object is correct by construction.
+errors) → cross-check references. Every problem is reported as `file: line L, column C:
+key.path: reason (got: value)`, all of them at once, so `kvgate check-config` can print the full
+list. Routing policy files named by pools are loaded by the routing package
+(`kvgate.routing.policy_catalog`) from the same Config, where the app is assembled and in
+`check-config`. The running code never re-validates: a `Config` object is correct by
+construction.
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from kvgate.chain.settings import (
@@ -24,10 +26,17 @@ from kvgate.chain.settings import (
     TierConfig,
     cross_check_chain,
 )
-from kvgate.routing.settings import BUILTIN_POLICIES, RoutingConfig
+from kvgate.routing.settings import RoutingConfig
+from kvgate.yaml_source import (
+    Loc,
+    YamlDocument,
+    YamlSourceError,
+    key_path,
+    read_yaml,
+    shown_value,
+)
 
 EngineKind = Literal["vllm", "sglang", "openai"]
-POLICY_NAMES = BUILTIN_POLICIES
 
 
 class _Strict(BaseModel):
@@ -191,12 +200,18 @@ class Config(_Strict):
     tiers: dict[str, TierConfig] = Field(default_factory=dict)
     classification: ClassificationConfig = ClassificationConfig()
     admission: AdmissionConfig = AdmissionConfig()
-    # Policy files named by pools, loaded and checked with the config (pool name → policy).
-    _policies: dict[str, Any] = PrivateAttr(default_factory=dict)
+    # Where the config came from: a file's path, or a name in angle brackets; relative policy
+    # paths are resolved against a file's folder.
+    _source: str = PrivateAttr(default="<config>")
 
-    def routing_policy(self, pool: str) -> Any:
-        """The loaded `RoutingPolicy` of a pool whose `policy` is a file, else None."""
-        return self._policies.get(pool)
+    @property
+    def source(self) -> str:
+        return self._source
+
+    @property
+    def folder(self) -> Path | None:
+        """The folder of the config file (None when the config did not come from a file)."""
+        return None if self._source.startswith("<") else Path(self._source).parent
 
 
 class ConfigError(Exception):
@@ -211,25 +226,19 @@ class ConfigError(Exception):
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
-def _key_path(loc: tuple[str | int, ...]) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out or "(top level)"
-
-
-def _substitute_env(node: Any, loc: tuple[str | int, ...], problems: list[str]) -> Any:
+def _substitute_env(node: Any, loc: Loc, problems: list[str], document: YamlDocument | None) -> Any:
     if isinstance(node, dict):
-        return {k: _substitute_env(v, (*loc, str(k)), problems) for k, v in node.items()}
+        return {k: _substitute_env(v, (*loc, str(k)), problems, document) for k, v in node.items()}
     if isinstance(node, list):
-        return [_substitute_env(v, (*loc, i), problems) for i, v in enumerate(node)]
+        return [_substitute_env(v, (*loc, i), problems, document) for i, v in enumerate(node)]
     if isinstance(node, str) and "${" in node:
 
         def replace(match: re.Match[str]) -> str:
             name, default = match.group(1), match.group(2)
             value = os.environ.get(name, default)
             if value is None:
-                problems.append(f"{_key_path(loc)}: environment variable {name} is not set")
+                where = document.where(loc) if document is not None else key_path(loc)
+                problems.append(f"{where}: environment variable {name} is not set")
                 return ""
             return value
 
@@ -257,8 +266,11 @@ def _model_at(loc: tuple[str | int, ...]) -> type[BaseModel] | None:
     return model if isinstance(model, type) and issubclass(model, BaseModel) else None
 
 
-def _describe(error: Any) -> str:
-    loc = tuple(p for p in error["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+def _describe(error: Any, document: YamlDocument | None) -> str:
+    loc: Loc = tuple(
+        p for p in error["loc"] if not (isinstance(p, str) and p.startswith("function-"))
+    )
+    where = document.where(loc) if document is not None else key_path(loc)
     if error["type"] == "extra_forbidden":
         hint = ""
         holder = _model_at(loc)
@@ -266,25 +278,14 @@ def _describe(error: Any) -> str:
             close = difflib.get_close_matches(str(loc[-1]), list(holder.model_fields), n=1)
             if close:
                 hint = f" (did you mean '{close[0]}'?)"
-        return f"{_key_path(loc)}: unknown key{hint}"
+        return f"{where}: unknown key{hint}"
     message = error["msg"].removeprefix("Value error, ")
-    return f"{_key_path(loc)}: {message}"
+    if error["type"] != "missing" and "input" in error:
+        message += f" (got {shown_value(loc, error['input'])})"
+    return f"{where}: {message}"
 
 
-def _load_policy_file(config: Config, index: int, pool: PoolConfig, source: str) -> list[str]:
-    from kvgate.routing.policy import PolicyError, load_policy  # routing imports this module
-
-    path = Path(pool.policy)
-    if not path.is_absolute() and source != "<config>":
-        path = Path(source).parent / path
-    try:
-        config._policies[pool.name] = load_policy(path)
-    except PolicyError as exc:
-        return [f"pools[{index}].policy: {problem}" for problem in exc.problems]
-    return []
-
-
-def _cross_check(config: Config, source: str = "<config>") -> list[str]:
+def _cross_check(config: Config) -> list[str]:
     problems: list[str] = []
     if config.state.backend == "redis" and not config.state.url:
         problems.append("state.url: required when state.backend is 'redis'")
@@ -294,14 +295,6 @@ def _cross_check(config: Config, source: str = "<config>") -> list[str]:
         if pool.name in seen_pools:
             problems.append(f"pools[{i}].name: duplicate pool name '{pool.name}'")
         seen_pools.add(pool.name)
-        if pool.policy not in POLICY_NAMES:
-            if pool.policy.endswith((".yaml", ".yml")):
-                problems.extend(_load_policy_file(config, i, pool, source))
-            else:
-                problems.append(
-                    f"pools[{i}].policy: unknown policy '{pool.policy}' "
-                    f"(one of: {', '.join(sorted(POLICY_NAMES))}, or a .yaml policy file)"
-                )
         for j, endpoint in enumerate(pool.endpoints):
             where = f"pools[{i}].endpoints[{j}].url"
             if endpoint.url in seen_urls:
@@ -317,20 +310,24 @@ def _cross_check(config: Config, source: str = "<config>") -> list[str]:
     return problems
 
 
-def parse_config(data: Any, source: str = "<config>") -> Config:
-    """Validate an already-parsed YAML/JSON tree. Raises ConfigError listing every problem."""
+def parse_config(
+    data: Any, source: str = "<config>", document: YamlDocument | None = None
+) -> Config:
+    """Validate an already-parsed YAML/JSON tree (`document`, when given, places errors on
+    lines). Raises ConfigError listing every problem."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(source, ["(top level): must be a mapping of keys to values"])
     problems: list[str] = []
-    data = _substitute_env(data, (), problems)
+    data = _substitute_env(data, (), problems, document)
     try:
         config = Config.model_validate(data)
     except ValidationError as exc:
-        problems.extend(_describe(e) for e in exc.errors())
+        problems.extend(_describe(e, document) for e in exc.errors())
         raise ConfigError(source, problems) from None
-    problems.extend(_cross_check(config, source))
+    config._source = source
+    problems.extend(_cross_check(config))
     if problems:
         raise ConfigError(source, problems)
     return config
@@ -340,14 +337,7 @@ def load_config(path: str | Path) -> Config:
     """Read, substitute, validate and cross-check a YAML config file."""
     source = str(path)
     try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ConfigError(source, [f"(file): cannot read: {exc.strerror}"]) from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "(file)"
-        reason = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(source, [f"{where}: invalid YAML: {reason}"]) from None
-    return parse_config(data, source)
+        document = read_yaml(path)
+    except YamlSourceError as exc:
+        raise ConfigError(source, exc.problems) from None
+    return parse_config(document.data, source, document)

@@ -6,12 +6,16 @@ token counts); every other field passes through untouched for the engine to judg
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import orjson
 
 from kvgate.asgi import Receive
 from kvgate.errors import InvalidRequest, PayloadTooLarge
+from kvgate.prompt_view import PromptView
+from kvgate.request_options import RequestOptions, parse_request_options
+from kvgate.types import Headers, RequestContext
 
 INFERENCE_ROUTES: dict[str, str] = {
     "/v1/chat/completions": "chat",
@@ -171,3 +175,38 @@ def parse_payload(route: str, body: bytes) -> tuple[dict[str, Any], str, bool]:
         _check_carrier(payload, "input")
     stream = _check_common(payload) if route != "embeddings" else False
     return payload, model, stream
+
+
+def request_context(
+    route: str,
+    payload: dict[str, Any],
+    *,
+    headers: Headers | None = None,
+    body: bytes = b"",
+    upstream_path: str | None = None,
+    chars_per_token: float = 4.0,
+    options: RequestOptions | None = None,
+    started: float | None = None,
+) -> RequestContext:
+    """The context of a request whose body and headers passed ingress: its options parsed
+    from the headers (unless given) and its prompt view. Raises InvalidRequest for a malformed
+    option header."""
+    headers = headers or []
+    if options is None:
+        options = parse_request_options(headers)
+    return RequestContext(
+        request_id=options.request_id,
+        route=route,
+        upstream_path=upstream_path or _PATHS[route],
+        client_headers=headers,
+        body=body,
+        payload=payload,
+        model=str(payload.get("model", "")),
+        stream=payload.get("stream") is True,
+        options=options,
+        view=PromptView(route, payload, chars_per_token),
+        started=time.perf_counter() if started is None else started,
+    )
+
+
+_PATHS = {route: path for path, route in INFERENCE_ROUTES.items()}

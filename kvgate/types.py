@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from kvgate.chain.intent import Intent
     from kvgate.chain.tenants import Tenant
+    from kvgate.prompt_view import PromptView
+    from kvgate.request_options import RequestOptions
     from kvgate.routing.endpoints import Endpoint
     from kvgate.routing.match import PrefixMatch
 
@@ -40,6 +42,10 @@ class RequestContext:
     payload: dict[str, Any]
     model: str
     stream: bool
+    # The client's x-kvgate-* headers, parsed and validated at ingress.
+    options: RequestOptions
+    # The prompt as every stage reads it (text pieces, canonical text, one token estimate).
+    view: PromptView
     started: float = field(default_factory=time.perf_counter)
     endpoint: Endpoint | None = None
     status: int = 0
@@ -98,3 +104,12 @@ class Stage(Protocol):
     whatever it takes it releases through `ctx.on_finish`."""
 
     async def __call__(self, ctx: RequestContext) -> None: ...
+
+
+class Forward(Protocol):
+    """The last step of the chain: send the request to `ctx.endpoint` (and, on failures it may
+    retry, to others) and relay the answer through the ASGI `send`."""
+
+    async def __call__(
+        self, ctx: RequestContext, send: Callable[[MutableMapping[str, Any]], Awaitable[None]]
+    ) -> None: ...

@@ -49,7 +49,7 @@ def _stop(proc: subprocess.Popen[bytes]) -> bytes:
 def test_version_and_help():
     out = subprocess.run([*KVGATE, "--version"], capture_output=True, text=True, check=True)
     assert out.stdout.startswith("kvgate ")
-    for command in ("serve", "demo", "sim", "check-config"):
+    for command in ("serve", "demo", "sim", "check-config", "policies"):
         help_text = subprocess.run(
             [*KVGATE, command, "--help"], capture_output=True, text=True, check=True
         ).stdout
@@ -64,8 +64,9 @@ def test_check_config_names_the_broken_key(tmp_path: Path):
     )
     result = subprocess.run([*KVGATE, "check-config", str(bad)], capture_output=True, text=True)
     assert result.returncode == 1
-    assert f"{bad}: server.port:" in result.stderr
-    assert f"{bad}: pools[0].endpoints[0].weight: unknown key" in result.stderr
+    assert f"{bad}: line 2, column 3: server.port:" in result.stderr
+    assert "(got 'eighty')" in result.stderr
+    assert f"{bad}: line 7, column 9: pools[0].endpoints[0].weight: unknown key" in result.stderr
     good = subprocess.run(
         [*KVGATE, "check-config", "config/demo.yaml"], capture_output=True, text=True
     )
@@ -151,3 +152,25 @@ def test_serve_runs_the_minimal_config_against_simulated_engines(tmp_path: Path)
             assert httpx.get(base + "/readyz").status_code == 200
         finally:
             _stop(proc)
+
+
+def test_policies_list_and_show_the_shipped_policies():
+    listed = subprocess.run([*KVGATE, "policies", "list"], capture_output=True, text=True)
+    assert listed.returncode == 0
+    names = [line.split("\t")[0] for line in listed.stdout.splitlines()]
+    assert names == ["kvgate", "random", "round_robin", "least_loaded", "balanced", "cost",
+                     "latency"]  # fmt: skip
+    shown = subprocess.run([*KVGATE, "policies", "show", "cost"], capture_output=True, text=True)
+    assert shown.returncode == 0 and "name: cost" in shown.stdout
+    missing = subprocess.run([*KVGATE, "policies", "show", "nope"], capture_output=True, text=True)
+    assert missing.returncode == 1 and "no shipped policy 'nope'" in missing.stderr
+
+
+def test_check_config_reports_policy_problems(tmp_path: Path):
+    config = tmp_path / "gw.yaml"
+    config.write_text(
+        "pools:\n  - name: a\n    policy: fastest\n    endpoints: [{url: 'http://h:1'}]\n"
+    )
+    result = subprocess.run([*KVGATE, "check-config", str(config)], capture_output=True, text=True)
+    assert result.returncode == 1
+    assert f"{config}: pools[0].policy: unknown policy 'fastest'" in result.stderr

@@ -93,27 +93,49 @@ def test_every_problem_is_reported_with_its_key_path(tmp_path, monkeypatch):
             endpoints: []
         """,
     )
-    assert "server.prot: unknown key (did you mean 'port'?)" in problems
-    assert any(p.startswith("pools[0].engine:") and "vllm" in p for p in problems)
-    assert any(p.startswith("pools[0].endpoints[0].url:") for p in problems)
-    assert "pools[0].endpoints[0].api_key: environment variable MISSING_KEY is not set" in problems
-    assert any(p.startswith("pools[1].endpoints:") for p in problems)
+    assert "line 2, column 3: server.prot: unknown key (did you mean 'port'?)" in problems
+    assert any(
+        p.startswith("line 5, column 5: pools[0].engine:") and "vllm" in p and "(got 'tgi')" in p
+        for p in problems
+    )
+    assert any(
+        p.startswith("line 7, column 9: pools[0].endpoints[0].url:") and "(got 'ftp://x')" in p
+        for p in problems
+    )
+    assert (
+        "line 8, column 9: pools[0].endpoints[0].api_key: environment variable MISSING_KEY is "
+        "not set" in problems
+    )
+    assert any(p.startswith("line 10, column 5: pools[1].endpoints:") for p in problems)
 
 
-def test_cross_checks_duplicates_and_policies(tmp_path):
+def test_secret_values_are_masked_in_problems(tmp_path):
+    problems = _problems(
+        tmp_path,
+        """        pools:
+          - name: a
+            endpoints:
+              - url: http://h:1
+                api_key: [not, a, string, hunter2]
+        """,
+    )
+    (problem,) = problems
+    assert problem.startswith("line 5, column 9: pools[0].endpoints[0].api_key:")
+    assert "'***'" in problem and "hunter2" not in problem
+
+
+def test_cross_checks_duplicates(tmp_path):
     problems = _problems(
         tmp_path,
         """\
         pools:
           - name: a
-            policy: fastest
             endpoints: [{url: "http://h:1"}]
           - name: a
             endpoints: [{url: "http://h:1"}]
         """,
     )
     assert "pools[1].name: duplicate pool name 'a'" in problems
-    assert any(p.startswith("pools[0].policy: unknown policy 'fastest'") for p in problems)
     assert (
         "pools[1].endpoints[0].url: duplicate endpoint, already in pools[0].endpoints[0].url"
         in problems

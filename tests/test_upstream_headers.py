@@ -1,6 +1,7 @@
 from __future__ import annotations
 
-from kvgate.upstream.headers import request_id_from, upstream_headers
+from kvgate.request_options import request_id_from
+from kvgate.upstream.headers import upstream_headers
 
 
 def test_request_id_kept_when_sane_and_generated_otherwise():

@@ -22,8 +22,13 @@ from kvgate.chain.classify import Classifier
 from kvgate.chain.intent import CLASSES_BY_RANK, request_priority
 from kvgate.chain.tenants import TenantDirectory
 from kvgate.errors import KvgateError, MethodNotAllowed, NotFound
-from kvgate.ingress import INFERENCE_ROUTES, ClientGone, parse_payload, read_body
-from kvgate.types import RequestContext
+from kvgate.ingress import (
+    INFERENCE_ROUTES,
+    ClientGone,
+    parse_payload,
+    read_body,
+    request_context,
+)
 
 _EXPLAIN = "/admin/explain"
 _MAX_EXPLAIN_BODY = 1024 * 1024
@@ -31,8 +36,13 @@ _MAX_EXPLAIN_BODY = 1024 * 1024
 
 class AdminRoutes:
     def __init__(
-        self, directory: TenantDirectory, classifier: Classifier, admission: AdmissionController
+        self,
+        directory: TenantDirectory,
+        classifier: Classifier,
+        admission: AdmissionController,
+        chars_per_token: float,
     ) -> None:
+        self.chars_per_token = chars_per_token
         self.directory = directory
         self.authenticator = Authenticator(directory)
         self.classifier = classifier
@@ -74,21 +84,18 @@ class AdminRoutes:
     ) -> dict[str, object]:
         body = await read_body(scope["headers"], receive, _MAX_EXPLAIN_BODY)
         route = INFERENCE_ROUTES[inference_path]
-        payload, model, stream = parse_payload(route, body)
+        payload, model, _ = parse_payload(route, body)
         query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
         name = query.get("tenant", [None])[0]
         tenant = self.directory.anonymous if name is None else self.directory.tenants.get(name)
         if tenant is None:
             raise NotFound(f"No tenant named '{name}'", param="tenant", code="unknown_tenant")
-        ctx = RequestContext(
-            request_id="explain",
-            route=route,
-            upstream_path=inference_path,
-            client_headers=scope["headers"],
+        ctx = request_context(
+            route,
+            payload,
+            headers=scope["headers"],
             body=body,
-            payload=payload,
-            model=model,
-            stream=stream,
+            chars_per_token=self.chars_per_token,
         )
         intent = self.classifier.classify(ctx, tenant)
         return {

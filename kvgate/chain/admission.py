@@ -38,23 +38,63 @@ import logging
 import time
 from collections import deque
 from functools import partial
+from typing import Protocol
 
+from kvgate.background import OwnedTask
 from kvgate.chain.classify import Classifier
 from kvgate.chain.intent import CLASS_RANK, CLASSES_BY_RANK, Intent
 from kvgate.chain.predict import DurationPredictor
 from kvgate.chain.queues import AdmissionQueue, QueueKey, Waiter
-from kvgate.chain.quotas import QuotaExceeded, QuotaStore, QuotaTooSmall, Reservation
 from kvgate.chain.settings import AdmissionConfig
 from kvgate.chain.tenants import Tenant
 from kvgate.errors import InvalidRequest, Overloaded, RateLimited
-from kvgate.observability.metrics import GatewayMetrics
-from kvgate.routing.endpoints import Fleet
+from kvgate.state.quotas import QuotaExceeded, QuotaStore, QuotaTooSmall, Reservation
 from kvgate.types import RequestContext
 
 log = logging.getLogger("kvgate.admission")
 
 _ALL_CLASSES = range(len(CLASSES_BY_RANK))
 _RATE_WINDOW = 64
+
+
+class Capacity(Protocol):
+    """What admission asks the fleet (routing implements it)."""
+
+    def has_capacity(self, model: str, jurisdictions: frozenset[str] | None) -> bool:
+        """False only when every routable endpoint that could serve the model (in the
+        jurisdictions, if given) is saturated; True when none could (picking then answers
+        404 or 503)."""
+        ...
+
+
+class AdmissionObserver(Protocol):
+    """What admission reports (Prometheus metrics in the gateway)."""
+
+    def quota_rejected(self, tenant: str, limit: str) -> None:
+        """A request was refused by a tenant limit (429)."""
+
+    def shed(self, latency_class: str, reason: str) -> None:
+        """A request was refused for overload (503)."""
+
+    def waited(self, latency_class: str, result: str, seconds: float) -> None:
+        """A wait in the queue ended: admitted, timeout, shed or gone."""
+
+    def queue_length(self, latency_class: str, length: int) -> None:
+        """The number of requests of a class waiting changed."""
+
+
+class _NoObserver:
+    def quota_rejected(self, tenant: str, limit: str) -> None:
+        pass
+
+    def shed(self, latency_class: str, reason: str) -> None:
+        pass
+
+    def waited(self, latency_class: str, result: str, seconds: float) -> None:
+        pass
+
+    def queue_length(self, latency_class: str, length: int) -> None:
+        pass
 
 
 class _CompletionRate:
@@ -78,17 +118,17 @@ class AdmissionController:
 
     def __init__(
         self,
-        fleet: Fleet,
+        capacity: Capacity,
         quotas: QuotaStore,
         classifier: Classifier,
         config: AdmissionConfig,
-        metrics: GatewayMetrics | None = None,
+        observer: AdmissionObserver | None = None,
     ) -> None:
-        self.fleet = fleet
+        self.capacity = capacity
         self.quotas = quotas
         self.classifier = classifier
         self.config = config
-        self.metrics = metrics
+        self.observer: AdmissionObserver = observer or _NoObserver()
         self.queue = AdmissionQueue()
         self.active: dict[str, int] = {}
         self.queued: dict[str, int] = {}
@@ -96,8 +136,8 @@ class AdmissionController:
             config.initial_ttft, config.initial_token_time, config.prediction_deviations
         )
         self._rate = _CompletionRate()
-        self._wake: asyncio.Event | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._dispatcher = OwnedTask("admission-dispatcher")
 
     # --- the stage's entry point ------------------------------------------------------------
 
@@ -117,7 +157,7 @@ class AdmissionController:
         if (
             below_cap
             and not self.queue.waiting_at_or_above(key, rank, self._below_cap)
-            and self._has_capacity(key)
+            and self.capacity.has_capacity(*key)
         ):
             self._start(ctx, tenant)
             return
@@ -127,7 +167,7 @@ class AdmissionController:
 
     async def _reserve(self, tenant: Tenant, intent: Intent) -> Reservation:
         try:
-            return await self.quotas.reserve(tenant.name, tenant.limits, intent.reserved_tokens)
+            return await self.quotas.reserve(tenant.name, tenant.quota, intent.reserved_tokens)
         except QuotaTooSmall as exc:
             raise InvalidRequest(
                 f"This request needs about {exc.needed} tokens (estimated prompt plus "
@@ -140,8 +180,7 @@ class AdmissionController:
             raise self._limited(tenant, exc.limit, exc.retry_after) from None
 
     def _limited(self, tenant: Tenant, limit: str, retry_after: float) -> RateLimited:
-        if self.metrics is not None:
-            self.metrics.quota_rejections.labels(tenant.name, limit).inc()
+        self.observer.quota_rejected(tenant.name, limit)
         return RateLimited(
             f"Rate limit reached for this API key: {limit}; retry after "
             f"{max(1, round(retry_after))} s",
@@ -160,18 +199,6 @@ class AdmissionController:
     def _below_cap(self, tenant: Tenant) -> bool:
         cap = tenant.limits.max_concurrent
         return cap is None or self.active.get(tenant.name, 0) < cap
-
-    def _has_capacity(self, key: QueueKey) -> bool:
-        """False only when every endpoint that could serve `key` is saturated. With no
-        candidate at all the request goes on, and picking answers 404 or 503."""
-        model, jurisdictions = key
-        candidates = [
-            e
-            for e in self.fleet.candidates(model)
-            if e.routable
-            and (jurisdictions is None or e.labels.get("jurisdiction") in jurisdictions)
-        ]
-        return not candidates or any(not e.saturated for e in candidates)
 
     def predicted_ttft(self, model: str) -> float:
         return self.predictor.ttft(model)
@@ -196,7 +223,7 @@ class AdmissionController:
                 self.predictor.observe_token_time(
                     ctx.model, (now - ctx.first_token_at) / (tokens - 1)
                 )
-        if self._wake is not None and len(self.queue):
+        if len(self.queue):
             self._wake.set()
 
     # --- waiting ----------------------------------------------------------------------------
@@ -254,7 +281,6 @@ class AdmissionController:
         self.queued[waiter.tenant.name] = self.queued.get(waiter.tenant.name, 0) + 1
         self._gauge(waiter.rank)
         self._ensure_dispatcher()
-        assert self._wake is not None
         self._wake.set()
 
     def _leave(self, waiter: Waiter, result: str) -> bool:
@@ -267,10 +293,9 @@ class AdmissionController:
     def _left(self, waiter: Waiter, result: str) -> None:
         self.queued[waiter.tenant.name] -= 1
         self._gauge(waiter.rank)
-        if self.metrics is not None:
-            self.metrics.queue_wait.labels(CLASSES_BY_RANK[waiter.rank], result).observe(
-                time.perf_counter() - waiter.enqueued
-            )
+        self.observer.waited(
+            CLASSES_BY_RANK[waiter.rank], result, time.perf_counter() - waiter.enqueued
+        )
 
     def _make_room(self, newcomer: Waiter) -> None:
         """Enforce `max_queued`: shed the worst waiter if the newcomer is better, else refuse
@@ -289,8 +314,7 @@ class AdmissionController:
             )
 
     def _shed(self, waiter: Waiter, reason: str, message: str) -> Overloaded:
-        if self.metrics is not None:
-            self.metrics.shed.labels(CLASSES_BY_RANK[waiter.rank], reason).inc()
+        self.observer.shed(CLASSES_BY_RANK[waiter.rank], reason)
         return Overloaded(f"{message}; retry later", code=reason, retry_after=self._retry_after())
 
     def _retry_after(self) -> float:
@@ -298,27 +322,18 @@ class AdmissionController:
         return min(60.0, max(1.0, (len(self.queue) + 1) / self._rate.per_second(now)))
 
     def _gauge(self, rank: int) -> None:
-        if self.metrics is not None:
-            self.metrics.queue_length.labels(CLASSES_BY_RANK[rank]).set(self.queue.length(rank))
+        self.observer.queue_length(CLASSES_BY_RANK[rank], self.queue.length(rank))
 
     # --- the dispatcher ---------------------------------------------------------------------
 
     def _ensure_dispatcher(self) -> None:
-        if self._task is None or self._task.done():
-            self._wake = asyncio.Event()
-            self._task = asyncio.get_running_loop().create_task(
-                self._run(), name="admission-dispatcher"
-            )
+        self._dispatcher.start(self._run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        await self._dispatcher.stop()
 
     async def _run(self) -> None:
         wake = self._wake
-        assert wake is not None
         while True:
             if len(self.queue):
                 with contextlib.suppress(TimeoutError):
@@ -334,7 +349,7 @@ class AdmissionController:
 
     async def _dispatch(self) -> None:
         for key in self.queue.waiting_keys():
-            while self._has_capacity(key):
+            while self.capacity.has_capacity(*key):
                 waiter = self.queue.pop_next(key, _ALL_CLASSES, self._below_cap)
                 if waiter is None:
                     break

@@ -15,8 +15,8 @@ import orjson
 from kvgate.chain.keys import digests_match, parse_key, secret_digest
 from kvgate.chain.tenants import KeyRecord, TenantDirectory
 from kvgate.errors import AuthenticationFailed, PermissionDenied
-from kvgate.routing.picker import EXPLAIN_REQUEST_HEADER
-from kvgate.types import Headers, RequestContext, header_value
+from kvgate.request_options import ADMIN_KEY
+from kvgate.types import Headers, RequestContext
 
 log = logging.getLogger("kvgate.auth")
 
@@ -24,9 +24,6 @@ _BEARER = b"bearer "
 _DUMMY_DIGEST = secret_digest(b"kvgate-dummy-secret-for-unknown-key-ids")
 # Routes whose engines take vLLM's `cache_salt`; embeddings do not cache prefixes.
 _SALTED_ROUTES = frozenset({"chat", "completions"})
-
-
-ADMIN_KEY_HEADER = b"x-kvgate-admin-key"
 
 
 def _bearer_token(headers: Headers) -> bytes | None:
@@ -88,9 +85,8 @@ class AuthStage:
         self.authenticator = Authenticator(directory)
 
     async def __call__(self, ctx: RequestContext) -> None:
-        explain = header_value(ctx.client_headers, EXPLAIN_REQUEST_HEADER)
-        if explain is not None and explain.strip() == b"1":
-            ctx.explain = self._operator(ctx.client_headers)
+        if ctx.options.explain:
+            ctx.explain = self._operator(ctx.options.admin_key)
         if self.directory.open:
             ctx.tenant = self.directory.anonymous
             return
@@ -113,19 +109,17 @@ class AuthStage:
             ctx.body = orjson.dumps(ctx.payload)
             ctx.cache_salt = tenant.cache_salt
 
-    def _operator(self, headers: Headers) -> bool:
+    def _operator(self, admin_key: bytes | None) -> bool:
         """Whether the request may see routing explanations: on an open gateway anyone may;
         otherwise it must carry an admin key in `x-kvgate-admin-key` (401 if that key is
         wrong: a credential that was sent is always checked)."""
         if self.directory.open:
             return True
-        token = header_value(headers, ADMIN_KEY_HEADER)
-        if token is None:
+        if admin_key is None:
             return False
-        token = token.strip()
-        record = self.authenticator.verify_token(token)
+        record = self.authenticator.verify_token(admin_key)
         if record.tenant is not None:
             raise PermissionDenied(
-                f"{ADMIN_KEY_HEADER.decode()} needs an admin key", code="admin_key_required"
+                f"{ADMIN_KEY.decode()} needs an admin key", code="admin_key_required"
             )
         return True

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvgate.chain.settings import LatencyClass
+from kvgate.request_options import Workflow
 
 # Lower rank is served first and shed last.
 CLASS_RANK: dict[LatencyClass, int] = {"interactive": 0, "standard": 1, "batch": 2}
@@ -17,20 +18,12 @@ def request_priority(latency_class: LatencyClass, tier_priority: int) -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class Workflow:
-    """An agent workflow a request belongs to (`x-kvgate-workflow-id`, `-step: 3/5`)."""
-
-    id: str
-    step: int
-    total: int | None
-
-
-@dataclass(frozen=True, slots=True)
 class Intent:
     """Deterministic summary of a request. `rule` names the rule that set the class (None:
     the tier's default); `capped` is True when the tier lowered the class a rule asked for.
-    `deadline` is seconds from arrival; `prompt_tokens` is an estimate (characters /
-    `classification.chars_per_token`, plus prompt tokens given as ids)."""
+    `deadline` is seconds from arrival; `prompt_tokens` is the request's one estimate
+    (`ctx.view.prompt_tokens`: characters / `classification.chars_per_token`, plus prompt
+    tokens given as ids)."""
 
     model: str
     latency_class: LatencyClass

@@ -15,15 +15,15 @@ from collections.abc import Callable, Sequence
 
 from kvgate.asgi import Receive, Send, send_error
 from kvgate.errors import GatewayBug, KvgateError
-from kvgate.types import RequestContext, Stage
-from kvgate.upstream.relay import Forwarder
+from kvgate.request_options import REQUEST_ID
+from kvgate.types import Forward, RequestContext, Stage
 
 log = logging.getLogger("kvgate.chain")
 
 
 class RequestChain:
     def __init__(
-        self, stages: Sequence[Stage], forward: Forwarder, settle: Callable[[RequestContext], None]
+        self, stages: Sequence[Stage], forward: Forward, settle: Callable[[RequestContext], None]
     ) -> None:
         self.stages = tuple(stages)
         self.forward = forward
@@ -67,7 +67,7 @@ async def _answer_error(ctx: RequestContext, send: Send, error: KvgateError) -> 
         await send({"type": "http.response.body", "body": error.to_sse(), "more_body": False})
         return
     ctx.status = error.status
-    await send_error(send, error, [(b"x-request-id", ctx.request_id.encode())])
+    await send_error(send, error, [(REQUEST_ID, ctx.request_id.encode())])
 
 
 async def _watch_disconnect(

@@ -47,7 +47,7 @@ class KeyConfig(_Strict):
         return value
 
 
-class LimitsConfig(_Strict):
+class TenantLimits(_Strict):
     """Per-tenant limits; an absent limit is unlimited."""
 
     requests_per_minute: int | None = Field(None, gt=0)
@@ -60,7 +60,7 @@ class TenantConfig(_Strict):
     name: str = Field(min_length=1, max_length=64)
     tier: str = "silver"
     keys: list[KeyConfig] = Field(default_factory=list)
-    limits: LimitsConfig = LimitsConfig()
+    limits: TenantLimits = TenantLimits()
     # fnmatch patterns of the models this tenant may use; absent means every model.
     models: list[str] | None = None
     # Jurisdictions (endpoint label `jurisdiction`) the tenant's data may be processed in.

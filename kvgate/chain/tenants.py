@@ -6,7 +6,6 @@ later stages (classification, quotas, queues) work the same with or without keys
 
 from __future__ import annotations
 
-import fnmatch
 import hashlib
 import hmac
 import re
@@ -16,10 +15,12 @@ from kvgate.chain.settings import (
     DEFAULT_TIERS,
     AuthConfig,
     LatencyClass,
-    LimitsConfig,
     TenantConfig,
+    TenantLimits,
     TierConfig,
 )
+from kvgate.globs import compile_globs
+from kvgate.state.quotas import QuotaLimits
 
 ANONYMOUS = "anonymous"
 ANONYMOUS_TIER = "silver"
@@ -36,7 +37,8 @@ class Tenant:
     weight: float
     default_class: LatencyClass
     best_class: LatencyClass
-    limits: LimitsConfig
+    limits: TenantLimits
+    quota: QuotaLimits
     residency: frozenset[str] | None
     cache_salt: str | None
     _models: re.Pattern[str] | None
@@ -61,11 +63,7 @@ def cache_salt_for(tenant: str, secret: str | None) -> str:
 
 
 def build_tenant(config: TenantConfig, tier: TierConfig, salt_secret: str | None) -> Tenant:
-    models = None
-    if config.models is not None:
-        models = re.compile(
-            "|".join(f"(?:{fnmatch.translate(p)})" for p in config.models) or "(?!)"
-        )
+    models = compile_globs(config.models) if config.models is not None else None
     return Tenant(
         name=config.name,
         tier=config.tier,
@@ -74,6 +72,7 @@ def build_tenant(config: TenantConfig, tier: TierConfig, salt_secret: str | None
         default_class=tier.default_class,
         best_class=tier.best_class,
         limits=config.limits,
+        quota=QuotaLimits(config.limits.requests_per_minute, config.limits.tokens_per_minute),
         residency=frozenset(config.residency) if config.residency is not None else None,
         cache_salt=(
             cache_salt_for(config.name, salt_secret) if config.cache_isolation == "tenant" else None
@@ -88,7 +87,6 @@ class TenantDirectory:
     def __init__(self, auth: AuthConfig | None, tiers: dict[str, TierConfig]) -> None:
         self.tiers = {**DEFAULT_TIERS, **tiers}
         self.open = auth is None or auth.disabled
-        self.explicitly_open = auth is not None and auth.disabled
         self.anonymous = build_tenant(
             TenantConfig(name=ANONYMOUS, tier=ANONYMOUS_TIER, cache_isolation="shared"),
             self.tiers[ANONYMOUS_TIER],

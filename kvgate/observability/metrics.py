@@ -57,32 +57,6 @@ class GatewayMetrics:
             ["endpoint"],
             registry=self.registry,
         )
-        # Admission (kvgate/chain/admission.py); tenant labels are config-bounded names.
-        self.queue_length = Gauge(
-            "kvgate_admission_queue_length",
-            "Requests waiting for capacity, by latency class.",
-            ["class"],
-            registry=self.registry,
-        )
-        self.queue_wait = Histogram(
-            "kvgate_admission_wait_seconds",
-            "Time spent waiting for capacity, by latency class and how the wait ended.",
-            ["class", "result"],
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self.shed = Counter(
-            "kvgate_admission_shed",
-            "Requests refused for overload (503), by class and reason.",
-            ["class", "reason"],
-            registry=self.registry,
-        )
-        self.quota_rejections = Counter(
-            "kvgate_quota_rejections",
-            "Requests refused by a tenant limit (429), by limit.",
-            ["tenant", "limit"],
-            registry=self.registry,
-        )
         # Labelled children of the per-request metrics, by label values: `.labels()` validates
         # and joins its arguments on every call, a dict lookup does not. Bounded like the label
         # sets themselves (config names, fixed words, kvgate's own codes).
@@ -94,10 +68,10 @@ class GatewayMetrics:
     def observe(self, ctx: RequestContext) -> None:
         now = time.perf_counter()
         model = ctx.model if self.fleet.serves(ctx.model) else "_unknown"
-        key = (ctx.route, model, ctx.status, ctx.outcome)
-        requests = self._requests.get(key)
+        request_key = (ctx.route, model, ctx.status, ctx.outcome)
+        requests = self._requests.get(request_key)
         if requests is None:
-            requests = self._requests[key] = self.requests.labels(
+            requests = self._requests[request_key] = self.requests.labels(
                 ctx.route, model, str(ctx.status), ctx.outcome
             )
         requests.inc()
@@ -113,10 +87,12 @@ class GatewayMetrics:
                 ttft = self._ttft[ctx.route] = self.ttft.labels(ctx.route)
             ttft.observe(ctx.first_token_at - ctx.started)
         if ctx.endpoint is not None:
-            key = (ctx.endpoint.name, ctx.outcome)
-            endpoint = self._endpoint_requests.get(key)
+            endpoint_key = (ctx.endpoint.name, ctx.outcome)
+            endpoint = self._endpoint_requests.get(endpoint_key)
             if endpoint is None:
-                endpoint = self._endpoint_requests[key] = self.endpoint_requests.labels(*key)
+                endpoint = self._endpoint_requests[endpoint_key] = self.endpoint_requests.labels(
+                    *endpoint_key
+                )
             endpoint.inc()
 
     def observe_rejected(self, route: str, status: int, outcome: str) -> None:
@@ -127,3 +103,47 @@ class GatewayMetrics:
             self.inflight.labels(endpoint.name).set(endpoint.inflight)
             self.healthy.labels(endpoint.name).set(1 if endpoint.healthy else 0)
         return generate_latest(self.registry)
+
+
+class AdmissionMetrics:
+    """The admission controller's observer (`kvgate.chain.admission.AdmissionObserver`);
+    tenant labels are config-bounded names."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.queue_lengths = Gauge(
+            "kvgate_admission_queue_length",
+            "Requests waiting for capacity, by latency class.",
+            ["class"],
+            registry=registry,
+        )
+        self.queue_wait = Histogram(
+            "kvgate_admission_wait_seconds",
+            "Time spent waiting for capacity, by latency class and how the wait ended.",
+            ["class", "result"],
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.shed_requests = Counter(
+            "kvgate_admission_shed",
+            "Requests refused for overload (503), by class and reason.",
+            ["class", "reason"],
+            registry=registry,
+        )
+        self.quota_rejections = Counter(
+            "kvgate_quota_rejections",
+            "Requests refused by a tenant limit (429), by limit.",
+            ["tenant", "limit"],
+            registry=registry,
+        )
+
+    def quota_rejected(self, tenant: str, limit: str) -> None:
+        self.quota_rejections.labels(tenant, limit).inc()
+
+    def shed(self, latency_class: str, reason: str) -> None:
+        self.shed_requests.labels(latency_class, reason).inc()
+
+    def waited(self, latency_class: str, result: str, seconds: float) -> None:
+        self.queue_wait.labels(latency_class, result).observe(seconds)
+
+    def queue_length(self, latency_class: str, length: int) -> None:
+        self.queue_lengths.labels(latency_class).set(length)

@@ -7,15 +7,13 @@ from collections import OrderedDict
 
 from kvgate.types import RequestContext
 
-_SESSION_HEADERS = (b"x-kvgate-session-id", b"x-kvgate-workflow-id")
-
 
 def session_key(ctx: RequestContext) -> str | None:
     """The client's session: `x-kvgate-session-id` or `x-kvgate-workflow-id` header, else the
     body's `user` field. Scoped by model, so one session may use several models."""
-    for name, value in ctx.client_headers:
-        if name in _SESSION_HEADERS and value:
-            return f"{ctx.model}\x00h\x00{value.decode('latin-1')}"
+    session = ctx.options.session_id
+    if session is not None:
+        return f"{ctx.model}\x00h\x00{session}"
     user = ctx.payload.get("user")
     if isinstance(user, str) and user:
         return f"{ctx.model}\x00u\x00{user}"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -37,7 +37,7 @@ _PROMPT_EMA = 0.05
 
 
 @dataclass(slots=True, frozen=True)
-class EndpointLimits:
+class SaturationLimits:
     """When an endpoint counts as saturated, and how old telemetry may be before it is stale
     (see kvgate/routing/telemetry.py for the stale policy)."""
 
@@ -47,7 +47,7 @@ class EndpointLimits:
     stale_policy: StalePolicy = "local"
 
     @classmethod
-    def from_config(cls, routing: RoutingConfig) -> EndpointLimits:
+    def from_config(cls, routing: RoutingConfig) -> SaturationLimits:
         return cls(
             routing.saturation.max_waiting,
             routing.saturation.max_kv_usage,
@@ -80,7 +80,7 @@ class Endpoint:
     healthy: bool = True
     inflight: int = 0
     breaker: BreakerView = NO_BREAKER
-    limits: EndpointLimits = EndpointLimits()
+    limits: SaturationLimits = SaturationLimits()
     telemetry: EngineTelemetry | None = None
     prefill_requests: int = 0
     prefill_tokens: int = 0
@@ -301,7 +301,7 @@ class Pool:
 
 
 def build_pool(config: PoolConfig, routing: RoutingConfig | None = None) -> Pool:
-    limits = EndpointLimits.from_config(routing or RoutingConfig())
+    limits = SaturationLimits.from_config(routing or RoutingConfig())
     endpoints = [
         Endpoint(
             name=f"{config.name}-{i}",
@@ -352,6 +352,32 @@ class Fleet:
     def candidates(self, model: str) -> list[Endpoint]:
         """Healthy endpoints serving `model` (possibly empty)."""
         return self._healthy_by_model.get(model, [])
+
+    def serving(
+        self,
+        model: str,
+        *,
+        exclude: Collection[Endpoint] = (),
+        pools: Collection[str] | None = None,
+        jurisdictions: frozenset[str] | None = None,
+    ) -> list[Endpoint]:
+        """The one answer to "which endpoints can take this now": healthy endpoints serving
+        `model` whose breaker admits traffic (and, with the `exclude` stale policy, whose
+        telemetry is fresh), in `pools` and `jurisdictions` if given, minus `exclude`."""
+        return [
+            e
+            for e in self._healthy_by_model.get(model, ())
+            if e.routable
+            and e not in exclude
+            and (pools is None or e.pool in pools)
+            and (jurisdictions is None or e.labels.get("jurisdiction") in jurisdictions)
+        ]
+
+    def has_capacity(self, model: str, jurisdictions: frozenset[str] | None) -> bool:
+        """False only when every endpoint that could serve `model` is saturated. With no
+        candidate at all the request goes on, and picking answers 404 or 503."""
+        candidates = self.serving(model, jurisdictions=jurisdictions)
+        return not candidates or any(not e.saturated for e in candidates)
 
     def served_models(self) -> list[str]:
         """Models with at least one healthy endpoint."""

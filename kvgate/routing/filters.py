@@ -1,10 +1,11 @@
 """Filters: which candidate endpoints may take a request at all.
 
-A filter is a plugin (see STYLE.md): a `NAME`, a `Params` model with defaults, a plain
+A filter is a plugin: a `NAME`, a `Params` model with defaults, a plain
 constructor, and registration in `kvgate/routing/plugins.py`. Calling it is pure over the
 candidates' load snapshots (`EndpointLoad`, taken once per decision by the picker): it returns
-the candidates that pass, in their order, and changes nothing. The picker always applies
-`serves_model`, `healthy` and `breaker_admits` first; policies add the others.
+the candidates that pass, in their order, and changes nothing. Which endpoints serve the model,
+are healthy and are admitted by their breaker is decided before any filter runs
+(`Fleet.serving`); policies choose the filters below.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from kvgate.routing.endpoints import EndpointLoad
 from kvgate.types import RequestContext
 
 
-class Params(BaseModel):
+class NoParams(BaseModel):
+    """Parameters of a plugin that takes none (unknown keys are errors)."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
@@ -32,52 +35,13 @@ class Filter(Protocol):
         ...
 
 
-class ServesModel:
-    NAME = "serves_model"
-    Params = Params
-
-    def __init__(self, params: Params | None = None) -> None:
-        self.params = params or self.Params()
-
-    def __call__(
-        self, ctx: RequestContext, candidates: Sequence[EndpointLoad]
-    ) -> list[EndpointLoad]:
-        return [c for c in candidates if ctx.model in c.endpoint.models]
-
-
-class Healthy:
-    NAME = "healthy"
-    Params = Params
-
-    def __init__(self, params: Params | None = None) -> None:
-        self.params = params or self.Params()
-
-    def __call__(
-        self, ctx: RequestContext, candidates: Sequence[EndpointLoad]
-    ) -> list[EndpointLoad]:
-        return [c for c in candidates if c.endpoint.healthy]
-
-
-class BreakerAdmits:
-    NAME = "breaker_admits"
-    Params = Params
-
-    def __init__(self, params: Params | None = None) -> None:
-        self.params = params or self.Params()
-
-    def __call__(
-        self, ctx: RequestContext, candidates: Sequence[EndpointLoad]
-    ) -> list[EndpointLoad]:
-        return [c for c in candidates if c.endpoint.breaker.admits()]
-
-
 class FreshTelemetry:
     """Only endpoints whose telemetry is fresh (or that expose none, kind `openai`)."""
 
     NAME = "fresh_telemetry"
-    Params = Params
+    Params = NoParams
 
-    def __init__(self, params: Params | None = None) -> None:
+    def __init__(self, params: NoParams | None = None) -> None:
         self.params = params or self.Params()
 
     def __call__(
@@ -86,7 +50,7 @@ class FreshTelemetry:
         return [c for c in candidates if not c.stale]
 
 
-class NotSaturatedParams(Params):
+class NotSaturatedParams(NoParams):
     """Thresholds; unset means the endpoint's own limits (`routing.saturation`)."""
 
     max_waiting: float | None = Field(None, ge=0)
@@ -118,7 +82,7 @@ class NotSaturated:
         ]
 
 
-class JurisdictionParams(Params):
+class JurisdictionParams(NoParams):
     label: str = "jurisdiction"
 
 
@@ -142,7 +106,7 @@ class Jurisdiction:
         return [c for c in candidates if c.endpoint.labels.get(label) in allowed]
 
 
-class LabelsParams(Params):
+class LabelsParams(NoParams):
     match: dict[str, str] = Field(default_factory=dict)
 
 

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import httpx
 import orjson
 
+from kvgate.background import OwnedTask
 from kvgate.config import HealthConfig
 from kvgate.routing.endpoints import Endpoint, Fleet
 
@@ -32,7 +33,7 @@ class HealthMonitor:
         self.on_recovered = on_recovered
         self.client = client
         self.config = config
-        self._task: asyncio.Task[None] | None = None
+        self._task = OwnedTask("health-monitor")
 
     async def check_once(self, discover: bool = True) -> None:
         results = await asyncio.gather(*(self._probe(e, discover) for e in self.fleet.endpoints))
@@ -80,13 +81,10 @@ class HealthMonitor:
             await self.check_once(discover)
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="health-monitor")
+        self._task.start(self._run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        await self._task.stop()
 
 
 def _model_ids(body: bytes) -> frozenset[str] | None:

@@ -1,6 +1,6 @@
 """Pickers: the final choice among the candidates that passed the filters.
 
-A picker is a plugin (see STYLE.md): `NAME`, `Params` with defaults, a plain constructor,
+A picker is a plugin: `NAME`, `Params` with defaults, a plain constructor,
 registration in `kvgate/routing/plugins.py`. It gets the candidates' load snapshots
 (`EndpointLoad`) and, when the policy has scorers, their weighted scores in [0, 1]; it returns
 the index of the chosen candidate. Load means `EndpointLoad.requests`: the gateway's in-flight
@@ -19,7 +19,9 @@ from kvgate.routing.endpoints import EndpointLoad
 from kvgate.types import RequestContext
 
 
-class Params(BaseModel):
+class NoParams(BaseModel):
+    """Parameters of a plugin that takes none (unknown keys are errors)."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
@@ -42,7 +44,7 @@ def least_loaded(rng: random.Random, loads: Sequence[float]) -> int:
     return rng.choice([i for i, load in enumerate(loads) if load == least])
 
 
-class RandomParams(Params):
+class RandomParams(NoParams):
     seed: int | None = None
 
 
@@ -67,9 +69,9 @@ class RoundRobinPicker:
     """Cycles through the candidates, one turn counter per model."""
 
     NAME = "round_robin"
-    Params = Params
+    Params = NoParams
 
-    def __init__(self, params: Params | None = None) -> None:
+    def __init__(self, params: NoParams | None = None) -> None:
         self.params = params or self.Params()
         self._turn: dict[str, int] = {}
 
@@ -103,7 +105,7 @@ class LeastLoadedPicker:
         return least_loaded(self._rng, [c.requests for c in candidates])
 
 
-class MaxScoreParams(Params):
+class MaxScoreParams(NoParams):
     """`tie_margin`: scores within this of the best are near ties, decided by power of two
     choices on load. Imbalance gate (SGLang's cache-aware router does the same): when the most
     loaded candidate has more than `imbalance_abs` requests above the least loaded one and more

@@ -1,27 +1,39 @@
 """Routing policies: which filters, scorer weights, picker, pools and fallback a request gets.
 
-A policy is data (YAML in `policies/`, or one of the built-ins `random`, `round_robin`,
-`least_loaded`, `kvgate`). It has defaults and an ordered list of rules; the first rule whose
-`match` fits the request (model glob, tenant tier, latency class, header values) overrides the
-defaults with its own keys. Loading happens once, in stages: YAML → shape (unknown keys are
-errors) → build plugins with their parameters → cross-check; every problem names the file, the
-key path and the reason, all at once.
+A policy is data: YAML (the files shipped in `kvgate/policies/`, or a user's own), or one of
+the built-ins `random`, `round_robin`, `least_loaded`, `kvgate` (`policy_catalog.py` finds
+them). It has defaults and an ordered list of rules; the first rule whose `match` fits the
+request (model glob, tenant tier, latency class, header values) overrides the defaults with its
+own keys. Loading happens once, in stages: YAML → shape (unknown keys are errors) → build
+plugins with their parameters → cross-check; every problem names the file, the line, the key
+path and the reason, all at once.
 """
 
 from __future__ import annotations
 
-import fnmatch
-from collections.abc import Sequence
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from kvgate.globs import compile_globs
 from kvgate.routing.filters import NotSaturated
-from kvgate.routing.plugins import FILTERS, PICKERS, PREFIX_SCORERS, SCORERS
-from kvgate.types import RequestContext
+from kvgate.routing.plugins import (
+    FILTERS,
+    PICKERS,
+    PREFIX_SCORERS,
+    SCORERS,
+    Filter,
+    Picker,
+    PluginType,
+    Scorer,
+)
+from kvgate.types import RequestContext, header_value
+from kvgate.yaml_source import YamlDocument, YamlSourceError, key_path, read_yaml
+
+T = TypeVar("T")
 
 Objective = Literal["latency", "cost", "balanced"]
 WhenSaturated = Literal["queue", "reject"]
@@ -114,15 +126,15 @@ class RoutingProfile:
     prefix match) are derived once, here, not per request."""
 
     objective: str
-    filters: list[Any]
-    scorers: list[tuple[Any, float]]
-    picker: Any
+    filters: list[Filter]
+    scorers: list[tuple[Scorer, float]]
+    picker: Picker
     pools: tuple[str, ...] | None = None
     when_saturated: str = "queue"
     fallback_pool: str | None = None
     fallback_model: str | None = None
-    plain_filters: list[Any] = field(init=False)
-    saturation_filters: list[Any] = field(init=False)
+    plain_filters: list[Filter] = field(init=False)
+    saturation_filters: list[Filter] = field(init=False)
     uses_prefix: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -133,13 +145,25 @@ class RoutingProfile:
 
 @dataclass(slots=True)
 class Rule:
+    """A rule's match, with its glob patterns compiled once (model, header values)."""
+
     name: str
     match: MatchSpec
     profile: RoutingProfile
+    model: re.Pattern[str] | None = field(init=False)
+    headers: list[tuple[bytes, re.Pattern[str]]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        m = self.match
+        self.model = compile_globs([m.model]) if m.model is not None else None
+        self.headers = [
+            (name.lower().encode("latin-1"), compile_globs([pattern]))
+            for name, pattern in m.headers.items()
+        ]
 
     def matches(self, ctx: RequestContext) -> bool:
         m = self.match
-        if m.model is not None and not fnmatch.fnmatchcase(ctx.model, m.model):
+        if self.model is not None and self.model.fullmatch(ctx.model) is None:
             return False
         if m.tier is not None and ctx.tier not in m.tier:
             return False
@@ -147,12 +171,10 @@ class Rule:
             latency_class = ctx.intent.latency_class if ctx.intent is not None else None
             if latency_class not in m.latency_class:
                 return False
-        if m.headers:
-            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in ctx.client_headers}
-            for name, pattern in m.headers.items():
-                value = headers.get(name.lower())
-                if value is None or not fnmatch.fnmatchcase(value, pattern):
-                    return False
+        for name, pattern in self.headers:
+            value = header_value(ctx.client_headers, name)
+            if value is None or pattern.fullmatch(value.decode("latin-1")) is None:
+                return False
         return True
 
 
@@ -184,16 +206,13 @@ class RoutingPolicy:
         return named
 
 
-def _key_path(loc: Sequence[str | int]) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out or "(top level)"
-
-
 def _build(
-    registry: dict[str, Any], kind: str, spec: str | PluginSpec, where: str, problems: list[str]
-) -> Any:
+    registry: dict[str, PluginType[T]],
+    kind: str,
+    spec: str | PluginSpec,
+    where: str,
+    problems: list[str],
+) -> T | None:
     plugin_type = spec if isinstance(spec, str) else spec.type
     params = {} if isinstance(spec, str) else spec.params
     cls = registry.get(plugin_type)
@@ -203,10 +222,10 @@ def _build(
         )
         return None
     try:
-        return cls(cls.Params.model_validate(params))
+        return cls.create(cls.params.model_validate(params))
     except ValidationError as exc:
         for error in exc.errors():
-            path = _key_path(error["loc"])
+            path = key_path(error["loc"])
             problems.append(
                 f"{where}.params.{path}: {error['msg'].removeprefix('Value error, ')}"
                 if error["loc"]
@@ -217,7 +236,10 @@ def _build(
 
 def _profile(
     spec: ProfileSpec, base: ProfileSpec | None, where: str, problems: list[str]
-) -> RoutingProfile:
+) -> RoutingProfile | None:
+    """The profile `spec` describes (keys it lacks come from `base`), or None when a plugin
+    could not be built (the reason is in `problems`)."""
+
     def pick(key: str) -> Any:
         value = getattr(spec, key)
         return value if value is not None or base is None else getattr(base, key)
@@ -235,10 +257,11 @@ def _profile(
         for i, f in enumerate(filter_specs)
     ]
     scorer_specs = pick("scorers")
-    scorers: list[tuple[Any, float]] = []
+    scorers: list[tuple[Scorer, float]] = []
     if scorer_specs is None:
         for name, weight in OBJECTIVE_SCORERS[objective]:
-            scorers.append((SCORERS[name](), weight))
+            plugin = SCORERS[name]
+            scorers.append((plugin.create(plugin.params()), weight))
     else:
         scorers_where = f"{prefix}scorers" if spec.scorers is not None else "scorers"
         for i, s in enumerate(scorer_specs):
@@ -260,6 +283,8 @@ def _profile(
         f"{prefix}picker" if spec.picker is not None else "picker",
         problems,
     )
+    if picker is None:
+        return None
     fallback = pick("fallback")
     return RoutingProfile(
         objective=objective,
@@ -273,8 +298,9 @@ def _profile(
     )
 
 
-def build_policy(data: Any, source: str) -> RoutingPolicy:
-    """Validate a parsed policy tree and build its plugins; PolicyError lists every problem."""
+def build_policy(data: Any, source: str, document: YamlDocument | None = None) -> RoutingPolicy:
+    """Validate a parsed policy tree and build its plugins; PolicyError lists every problem
+    (on the lines of `document`, when given)."""
     if not isinstance(data, dict):
         raise PolicyError([f"{source}: (top level): must be a mapping of keys to values"])
     try:
@@ -282,7 +308,7 @@ def build_policy(data: Any, source: str) -> RoutingPolicy:
     except ValidationError as exc:
         raise PolicyError(
             [
-                f"{source}: {_key_path(e['loc'])}: "
+                f"{source}: {document.where(e['loc']) if document else key_path(e['loc'])}: "
                 + (
                     "unknown key"
                     if e["type"] == "extra_forbidden"
@@ -293,12 +319,15 @@ def build_policy(data: Any, source: str) -> RoutingPolicy:
         ) from None
     problems: list[str] = []
     default = _profile(spec, None, "", problems)
-    rules = [
-        Rule(r.name or f"rules[{i}]", r.match, _profile(r, spec, f"rules[{i}]", problems))
-        for i, r in enumerate(spec.rules)
-    ]
+    profiles = [_profile(r, spec, f"rules[{i}]", problems) for i, r in enumerate(spec.rules)]
     if problems:
         raise PolicyError([f"{source}: {p}" for p in problems])
+    assert default is not None and all(p is not None for p in profiles)
+    rules = [
+        Rule(r.name or f"rules[{i}]", r.match, profile)
+        for i, (r, profile) in enumerate(zip(spec.rules, profiles, strict=True))
+        if profile is not None
+    ]
     return RoutingPolicy(spec.name or Path(source).stem, default, rules)
 
 
@@ -306,36 +335,7 @@ def load_policy(path: str | Path) -> RoutingPolicy:
     """Read and build a policy file."""
     source = str(path)
     try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise PolicyError([f"{source}: (file): cannot read: {exc.strerror}"]) from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "(file)"
-        raise PolicyError(
-            [f"{source}: {where}: invalid YAML: {getattr(exc, 'problem', None) or exc}"]
-        ) from None
-    return build_policy(data, source)
-
-
-# kvgate's default: the latency objective, with a saturation filter that only drops an endpoint
-# whose queue is far beyond what its predicted-TTFT cost already prices. With the endpoints' own
-# limit (5 waiting, when admission starts holding requests) a group left its prefix holder at
-# the first short queue and the fleet thrashed its caches (benchmarks/RESULTS.md).
-KVGATE_POLICY: dict[str, Any] = {
-    "name": "kvgate",
-    "objective": "latency",
-    "filters": ["jurisdiction", {"type": "not_saturated", "params": {"max_waiting": 32}}],
-}
-
-
-def builtin_policy(name: str) -> RoutingPolicy:
-    """`random`, `round_robin`, `least_loaded` (no scorers, engines queue) or `kvgate`."""
-    if name == "kvgate":
-        return build_policy(KVGATE_POLICY, "<builtin:kvgate>")
-    return build_policy(
-        {"name": name, "filters": ["jurisdiction"], "scorers": [], "picker": name},
-        f"<builtin:{name}>",
-    )
+        document = read_yaml(path)
+    except YamlSourceError as exc:
+        raise PolicyError([f"{source}: {problem}" for problem in exc.problems]) from None
+    return build_policy(document.data, source, document)

@@ -1,6 +1,6 @@
 """Scorers: how good each candidate endpoint is for a request, as a value in [0, 1].
 
-A scorer is a plugin (see STYLE.md): `NAME`, a `Params` model with defaults, a plain
+A scorer is a plugin: `NAME`, a `Params` model with defaults, a plain
 constructor, registration in `kvgate/routing/plugins.py`. Calling it is pure over precomputed
 data: the prefix match (`ctx.prefix`, computed once per request by the picker) and each
 candidate's load snapshot (`EndpointLoad`, taken once per decision by the picker). It returns
@@ -19,7 +19,9 @@ from kvgate.routing.endpoints import EndpointLoad
 from kvgate.types import RequestContext
 
 
-class Params(BaseModel):
+class NoParams(BaseModel):
+    """Parameters of a plugin that takes none (unknown keys are errors)."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
@@ -44,9 +46,9 @@ class PrefixMatchScorer:
     """Fraction of the prompt's hashed blocks the endpoint probably holds."""
 
     NAME = "prefix_match"
-    Params = Params
+    Params = NoParams
 
-    def __init__(self, params: Params | None = None) -> None:
+    def __init__(self, params: NoParams | None = None) -> None:
         self.params = params or self.Params()
 
     def __call__(self, ctx: RequestContext, candidates: Sequence[EndpointLoad]) -> list[float]:
@@ -60,9 +62,9 @@ class QueueDepthScorer:
     """Fewer requests waiting for their first token is better (min-max across candidates)."""
 
     NAME = "queue_depth"
-    Params = Params
+    Params = NoParams
 
-    def __init__(self, params: Params | None = None) -> None:
+    def __init__(self, params: NoParams | None = None) -> None:
         self.params = params or self.Params()
 
     def __call__(self, ctx: RequestContext, candidates: Sequence[EndpointLoad]) -> list[float]:
@@ -73,9 +75,9 @@ class KvUsageScorer:
     """More free KV cache is better: 1 - KV use (0 use when telemetry is stale)."""
 
     NAME = "kv_usage"
-    Params = Params
+    Params = NoParams
 
-    def __init__(self, params: Params | None = None) -> None:
+    def __init__(self, params: NoParams | None = None) -> None:
         self.params = params or self.Params()
 
     def __call__(self, ctx: RequestContext, candidates: Sequence[EndpointLoad]) -> list[float]:
@@ -86,16 +88,16 @@ class InflightScorer:
     """Fewer requests in flight from this gateway is better (min-max across candidates)."""
 
     NAME = "inflight"
-    Params = Params
+    Params = NoParams
 
-    def __init__(self, params: Params | None = None) -> None:
+    def __init__(self, params: NoParams | None = None) -> None:
         self.params = params or self.Params()
 
     def __call__(self, ctx: RequestContext, candidates: Sequence[EndpointLoad]) -> list[float]:
         return _inverse_min_max([float(c.total_inflight) for c in candidates])
 
 
-class PredictedTtftParams(Params):
+class PredictedTtftParams(NoParams):
     """`decode_token_weight`: prefill tokens one decoding sequence costs a new request's first
     step (step time per sequence ÷ prefill time per token, ≈ 2 on an 8B model);
     `base_tokens`: the fixed cost of one engine step in prefill tokens (≈ 15 ms ÷ 0.1 ms);
@@ -144,7 +146,7 @@ class PredictedTtftScorer:
         return [best / c for c in costs]
 
 
-class EndpointCostParams(Params):
+class EndpointCostParams(NoParams):
     label: str = "cost"
     default: float = Field(1.0, gt=0)
 
@@ -176,9 +178,9 @@ class SessionAffinityScorer:
     most recently, 0 for the others."""
 
     NAME = "session_affinity"
-    Params = Params
+    Params = NoParams
 
-    def __init__(self, params: Params | None = None) -> None:
+    def __init__(self, params: NoParams | None = None) -> None:
         self.params = params or self.Params()
 
     def __call__(self, ctx: RequestContext, candidates: Sequence[EndpointLoad]) -> list[float]:

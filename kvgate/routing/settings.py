@@ -7,7 +7,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-BUILTIN_POLICIES = frozenset({"random", "round_robin", "least_loaded", "kvgate"})
 StalePolicy = Literal["local", "exclude"]
 ExplainMode = Literal["admin", "always", "never"]
 
@@ -27,7 +26,6 @@ class PrefixIndexConfig(_Strict):
     default_capacity: int = Field(31_250, ge=1)
     max_capacity: int = Field(1_000_000, ge=1)
     ttl: float = Field(600.0, gt=0)
-    chars_per_token: float = Field(4.0, gt=0)
 
 
 class SaturationConfig(_Strict):

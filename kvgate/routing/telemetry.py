@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from kvgate.background import OwnedTask
 from kvgate.routing.endpoints import Endpoint, Fleet
 
 log = logging.getLogger("kvgate.telemetry")
@@ -185,7 +186,7 @@ class TelemetryScraper:
         self.timeout = timeout
         self.on_cache_config = on_cache_config
         self.failures: dict[str, int] = {}
-        self._task: asyncio.Task[None] | None = None
+        self._task = OwnedTask("telemetry")
 
     @property
     def endpoints(self) -> list[Endpoint]:
@@ -226,10 +227,7 @@ class TelemetryScraper:
             await self.scrape_once()
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="telemetry")
+        self._task.start(self._run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        await self._task.stop()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import uuid
 from collections.abc import Mapping
 
-from kvgate.chain.quotas import InMemoryQuotaStore
-from kvgate.state.store import ApplyDelta, EndpointLoad, LoadSink, LoadSource, TakeSnapshot
+from kvgate.state.quotas import InMemoryQuotaStore
+from kvgate.state.store import ApplyDelta, LoadSink, LoadSource, ReplicaLoad, TakeSnapshot
 
 
 class MemoryStore:
@@ -33,7 +33,7 @@ class MemoryStore:
     def report_load(self, source: LoadSource, sink: LoadSink) -> None:
         return None
 
-    def peer_load(self) -> Mapping[str, EndpointLoad]:
+    def peer_load(self) -> Mapping[str, ReplicaLoad]:
         return {}
 
     @property

@@ -16,8 +16,14 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvgate.chain.quotas import InMemoryQuotaStore, QuotaExceeded, QuotaTooSmall, Reservation
-from kvgate.chain.settings import LimitsConfig
+from kvgate.background import OwnedTask
+from kvgate.state.quotas import (
+    InMemoryQuotaStore,
+    QuotaExceeded,
+    QuotaLimits,
+    QuotaTooSmall,
+    Reservation,
+)
 from kvgate.state.redis_link import RedisLink, RedisUnavailable
 
 log = logging.getLogger("kvgate.state")
@@ -75,7 +81,7 @@ return 1
 
 @dataclass(slots=True)
 class SharedReservation(Reservation):
-    limits: LimitsConfig | None = None
+    limits: QuotaLimits | None = None
 
 
 @dataclass(slots=True)
@@ -86,7 +92,7 @@ class QuotaSyncStats:
 
 
 class RedisQuotaStore:
-    """A `QuotaStore` (kvgate.chain.quotas) whose buckets live in Redis."""
+    """A `QuotaStore` (kvgate.state.quotas) whose buckets live in Redis."""
 
     def __init__(
         self, link: RedisLink, prefix: str, replicas: Callable[[], int], max_pending: int = 100_000
@@ -102,14 +108,14 @@ class RedisQuotaStore:
         self._pending: deque[tuple[str, int, int]] = deque()
         self._wake = asyncio.Event()
         self._outstanding = [0, 0]
-        self._task: asyncio.Task[None] | None = None
+        self._task = OwnedTask("kvgate-quota-settle")
 
     def _keys(self, tenant: str) -> tuple[str, str]:
         # One hash tag per tenant keeps both buckets in one Redis Cluster slot.
         tag = f"{self.prefix}:{{quota:{tenant}}}"
         return f"{tag}:requests", f"{tag}:tokens"
 
-    async def reserve(self, tenant: str, limits: LimitsConfig, tokens: int) -> Reservation:
+    async def reserve(self, tenant: str, limits: QuotaLimits, tokens: int) -> Reservation:
         tpm = limits.tokens_per_minute
         if tpm is not None and tokens > tpm:
             raise QuotaTooSmall(tokens, tpm)
@@ -130,13 +136,10 @@ class RedisQuotaStore:
         self._outstanding[1] += tokens
         return SharedReservation(tenant, tokens, limits=limits)
 
-    async def _reserve_locally(self, tenant: str, limits: LimitsConfig, tokens: int) -> Reservation:
+    async def _reserve_locally(self, tenant: str, limits: QuotaLimits, tokens: int) -> Reservation:
         share = max(1, self.replicas())
-        local_limits = limits.model_copy(
-            update={
-                "requests_per_minute": _share(limits.requests_per_minute, share),
-                "tokens_per_minute": _share(limits.tokens_per_minute, share),
-            }
+        local_limits = QuotaLimits(
+            _share(limits.requests_per_minute, share), _share(limits.tokens_per_minute, share)
         )
         self.stats.local_fallbacks += 1
         if self.stats.local_fallbacks == 1 or self.stats.local_fallbacks % 1000 == 0:
@@ -195,15 +198,10 @@ class RedisQuotaStore:
         self._wake.set()
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(
-            self._apply_adjustments(), name="kvgate-quota-settle"
-        )
+        self._task.start(self._apply_adjustments())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        await self._task.stop()
 
     async def _apply_adjustments(self) -> None:
         while True:

@@ -28,9 +28,10 @@ from dataclasses import dataclass
 
 import orjson
 
+from kvgate.background import OwnedTask
 from kvgate.state.redis_link import RedisLink, RedisUnavailable
 from kvgate.state.redis_quota import RedisQuotaStore
-from kvgate.state.store import ApplyDelta, EndpointLoad, LoadSink, LoadSource, TakeSnapshot
+from kvgate.state.store import ApplyDelta, LoadSink, LoadSource, ReplicaLoad, TakeSnapshot
 
 log = logging.getLogger("kvgate.state")
 
@@ -90,11 +91,17 @@ class RedisStore:
         self._needs_resync = True
         self._load_source: LoadSource = dict
         self._load_sink: LoadSink = _ignore
-        self._peer_tables: dict[str, dict[str, EndpointLoad]] = {}
-        self._peer_load: dict[str, EndpointLoad] = {}
+        self._peer_tables: dict[str, dict[str, ReplicaLoad]] = {}
+        self._peer_load: dict[str, ReplicaLoad] = {}
         self._topics[LOAD_TOPIC] = _Topic(LOAD_TOPIC, self._apply_load, None, None, 1000)
         self._replicas = 1
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks = [
+            (OwnedTask("kvgate-state-flush"), self._flush_loop),
+            (OwnedTask("kvgate-state-read"), self._read_loop),
+            (OwnedTask("kvgate-state-heartbeat"), self._heartbeat_loop),
+            (OwnedTask("kvgate-state-load"), self._load_loop),
+            (OwnedTask("kvgate-state-snapshot"), self._snapshot_loop),
+        ]
 
     def _key(self, *parts: str) -> str:
         return ":".join((self.settings.prefix, *parts))
@@ -115,7 +122,7 @@ class RedisStore:
         self._load_source = source
         self._load_sink = sink
 
-    def peer_load(self) -> Mapping[str, EndpointLoad]:
+    def peer_load(self) -> Mapping[str, ReplicaLoad]:
         return self._peer_load
 
     @property
@@ -129,21 +136,13 @@ class RedisStore:
     async def start(self) -> None:
         await self._resync()
         self.quotas.start()
-        loop = asyncio.get_running_loop()
-        self._tasks = [
-            loop.create_task(self._flush_loop(), name="kvgate-state-flush"),
-            loop.create_task(self._read_loop(), name="kvgate-state-read"),
-            loop.create_task(self._heartbeat_loop(), name="kvgate-state-heartbeat"),
-            loop.create_task(self._load_loop(), name="kvgate-state-load"),
-            loop.create_task(self._snapshot_loop(), name="kvgate-state-snapshot"),
-        ]
+        for task, loop in self._tasks:
+            task.start(loop())
 
     async def stop(self) -> None:
         await self.quotas.stop()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks = []
+        for task, _ in self._tasks:
+            await task.stop()
         with contextlib.suppress(RedisUnavailable):
             await self.link.call(lambda r: r.zrem(self._key("replicas"), self.replica_id))
         await self.link.close()
@@ -240,7 +239,7 @@ class RedisStore:
 
     async def _load_loop(self) -> None:
         """Send this replica's load when it changed, and at least every heartbeat."""
-        last: dict[str, EndpointLoad] | None = None
+        last: dict[str, ReplicaLoad] | None = None
         last_sent = 0.0
         while True:
             await asyncio.sleep(_LOAD_CHECK_SECONDS)
@@ -261,12 +260,12 @@ class RedisStore:
     def _apply_load(self, delta: bytes) -> None:
         message = orjson.loads(delta)
         self._peer_tables[message["r"]] = {
-            name: EndpointLoad(int(v[0]), int(v[1])) for name, v in message["l"].items()
+            name: ReplicaLoad(int(v[0]), int(v[1])) for name, v in message["l"].items()
         }
         self._sum_peer_load()
 
     def _sum_peer_load(self) -> None:
-        total: dict[str, EndpointLoad] = {}
+        total: dict[str, ReplicaLoad] = {}
         for table in self._peer_tables.values():
             for name, load in table.items():
                 total[name] = total[name] + load if name in total else load
@@ -331,5 +330,5 @@ class RedisStore:
         self.stats.snapshots_written += 1
 
 
-def _ignore(_: Mapping[str, EndpointLoad]) -> None:
+def _ignore(_: Mapping[str, ReplicaLoad]) -> None:
     return None

@@ -8,7 +8,7 @@ carries what the other processes need to know, off the request path:
   new replica warms up;
 - **load**: each replica's per-endpoint in-flight requests and queued tokens, heartbeated with
   a TTL so a dead replica's counts expire on their own; readers see the sum over live peers;
-- **quotas**: per-tenant token buckets (`kvgate.chain.quotas.QuotaStore`).
+- **quotas**: per-tenant token buckets (`kvgate.state.quotas.QuotaStore`).
 
 `MemoryStore` is the embedded single-process default (no peers). `RedisStore` shares through
 Redis and falls back to local state while Redis is unreachable.
@@ -20,24 +20,24 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvgate.chain.quotas import QuotaStore
+from kvgate.state.quotas import QuotaStore
 
 
 @dataclass(frozen=True, slots=True)
-class EndpointLoad:
+class ReplicaLoad:
+    """One replica's load on one endpoint, as it shares it with the others."""
+
     inflight: int = 0
     queued_tokens: int = 0
 
-    def __add__(self, other: EndpointLoad) -> EndpointLoad:
-        return EndpointLoad(
-            self.inflight + other.inflight, self.queued_tokens + other.queued_tokens
-        )
+    def __add__(self, other: ReplicaLoad) -> ReplicaLoad:
+        return ReplicaLoad(self.inflight + other.inflight, self.queued_tokens + other.queued_tokens)
 
 
 ApplyDelta = Callable[[bytes], None]
 TakeSnapshot = Callable[[], bytes]
-LoadSource = Callable[[], Mapping[str, EndpointLoad]]
-LoadSink = Callable[[Mapping[str, EndpointLoad]], None]
+LoadSource = Callable[[], Mapping[str, ReplicaLoad]]
+LoadSink = Callable[[Mapping[str, ReplicaLoad]], None]
 
 
 class Store(Protocol):
@@ -66,7 +66,7 @@ class Store(Protocol):
         the peers' summed load after each heartbeat (empty when alone or Redis is lost)."""
         ...
 
-    def peer_load(self) -> Mapping[str, EndpointLoad]:
+    def peer_load(self) -> Mapping[str, ReplicaLoad]:
         """Per-endpoint load summed over the other live replicas (empty when alone)."""
         ...
 

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
-import re
-
+from kvgate.request_options import REQUEST_ID
 from kvgate.types import Headers
 
 # RFC 9110 §7.6.1 hop-by-hop headers, plus those kvgate sets itself or must never forward:
@@ -28,15 +26,6 @@ _NEVER_FORWARD = frozenset(
     }
 )
 _GATEWAY_PREFIX = b"x-kvgate-"
-_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:\-]{1,128}")
-
-
-def request_id_from(headers: Headers) -> str:
-    """The client's X-Request-Id when it is sane, else a fresh one."""
-    for name, value in headers:
-        if name == b"x-request-id" and _REQUEST_ID.fullmatch(value):
-            return value.decode()
-    return os.urandom(16).hex()  # 128 random bits, as uuid4().hex but without the UUID object
 
 
 def upstream_headers(
@@ -55,7 +44,7 @@ def upstream_headers(
         and name not in named_in_connection
         and not name.startswith(_GATEWAY_PREFIX)
     ]
-    out.append((b"x-request-id", request_id.encode()))
+    out.append((REQUEST_ID, request_id.encode()))
     out.append((b"accept-encoding", b"identity"))
     if auth_header is not None:
         out.append((b"authorization", auth_header))

@@ -15,12 +15,7 @@ import time
 from dataclasses import dataclass
 
 from kvgate.config import TimeoutsConfig
-from kvgate.errors import InvalidRequest
 from kvgate.types import RequestContext
-
-TOTAL_TIMEOUT_HEADER = b"x-kvgate-timeout-ms"
-FIRST_TOKEN_TIMEOUT_HEADER = b"x-kvgate-first-token-timeout-ms"
-_MAX_DIGITS = 9
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,21 +32,8 @@ class RequestLimits:
         return self.deadline - time.perf_counter()
 
 
-def _header_seconds(ctx: RequestContext, name: bytes) -> float | None:
-    for key, value in ctx.client_headers:
-        if key == name:
-            if not value.isdigit() or len(value) > _MAX_DIGITS or int(value) == 0:
-                raise InvalidRequest(
-                    f"{name.decode()} must be a positive whole number of milliseconds",
-                    param=name.decode(),
-                    code="invalid_timeout_header",
-                )
-            return int(value) / 1000
-    return None
-
-
 def resolve_limits(ctx: RequestContext, timeouts: TimeoutsConfig) -> RequestLimits:
-    """The limits for `ctx`; raises InvalidRequest for a malformed timeout header."""
+    """The limits for `ctx` (its timeout headers were validated at ingress)."""
     tier = timeouts.tiers.get(ctx.tier) if ctx.tier else None
     connect, first_token = timeouts.connect, timeouts.first_token
     stall, total = timeouts.stall, timeouts.total
@@ -61,10 +43,10 @@ def resolve_limits(ctx: RequestContext, timeouts: TimeoutsConfig) -> RequestLimi
         stall = tier.stall or stall
         total = tier.total or total
     shortened = False
-    asked_total = _header_seconds(ctx, TOTAL_TIMEOUT_HEADER)
+    asked_total = ctx.options.total_timeout
     if asked_total is not None and asked_total < total:
         total, shortened = asked_total, True
-    asked_first = _header_seconds(ctx, FIRST_TOKEN_TIMEOUT_HEADER)
+    asked_first = ctx.options.first_token_timeout
     if asked_first is not None and asked_first < first_token:
         first_token, shortened = asked_first, True
     deadline = ctx.started + total

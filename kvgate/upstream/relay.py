@@ -40,7 +40,7 @@ from kvgate.errors import (
     upstream_error_from_body,
 )
 from kvgate.routing.endpoints import Endpoint
-from kvgate.routing.picker import EndpointPicker
+from kvgate.routing.router import EndpointPicker
 from kvgate.types import Headers, RequestContext
 from kvgate.upstream.attempts import judge
 from kvgate.upstream.backoff import full_jitter_delay

@@ -13,7 +13,7 @@ import pytest
 from kvgate.chain.queues import AdmissionQueue, Waiter
 from kvgate.chain.settings import DEFAULT_TIERS, TenantConfig
 from kvgate.chain.tenants import build_tenant
-from kvgate.types import RequestContext
+from kvgate.ingress import request_context
 from tests.chain.helpers import IDLE, admission_state, make_key, tenant
 from tests.conftest import gateway_config
 
@@ -227,7 +227,7 @@ def _waiter(
     boost: float = 0.0,
 ) -> Waiter:
     tenant_ = build_tenant(TenantConfig(name=name, tier=tier), DEFAULT_TIERS[tier], None)
-    ctx = RequestContext(name, "chat", "/v1/chat/completions", [], b"", {}, "m1", False)
+    ctx = request_context("chat", {"model": "m1"})
     return Waiter(
         ctx=ctx,
         tenant=tenant_,

@@ -11,6 +11,7 @@ from kvgate.chain.classify import Classifier
 from kvgate.chain.settings import ClassificationConfig, TenantConfig
 from kvgate.chain.tenants import DEFAULT_TIERS, build_tenant
 from kvgate.errors import InvalidRequest
+from kvgate.ingress import request_context
 from kvgate.types import RequestContext
 
 RULES: list[dict[str, Any]] = [
@@ -51,16 +52,8 @@ def _ctx(
     model: str = "m1",
 ) -> RequestContext:
     payload = payload or {"model": model, "messages": [{"role": "user", "content": "hi"}]}
-    return RequestContext(
-        "r",
-        route,
-        "/v1/x",
-        [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()],
-        b"",
-        payload,
-        model,
-        bool(payload.get("stream")),
-    )
+    raw = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    return request_context(route, payload, headers=raw)
 
 
 def _chat(content: str, **extra: Any) -> dict[str, Any]:
@@ -77,7 +70,8 @@ def _chat(content: str, **extra: Any) -> dict[str, Any]:
         (_ctx(), None, "standard"),
         (_ctx(_chat("hi", tools=[{"type": "function"}])), "tools", "interactive"),
         (_ctx(_chat("x" * 4000)), "big", "batch"),
-        (_ctx(_chat("x" * 3996)), None, "standard"),
+        # the estimate counts the role and separators too: "user", "\n" and one more (6 chars)
+        (_ctx(_chat("x" * 3990)), None, "standard"),
         (_ctx(headers={"x-job": "nightly"}), "nightly", "batch"),
         (_ctx(headers={"x-job": "daily"}), None, "standard"),
         (_ctx({"model": "m1", "input": "abc"}, route="embeddings"), "embed", "batch"),
@@ -101,7 +95,8 @@ def test_rules(ctx, rule, latency_class):
 
 def test_deadlines_residency_and_estimates():
     classifier = _classifier()
-    big = classifier.classify(_ctx(_chat("x" * 4000, max_tokens=50)), _tenant())
+    # 3994 characters of content + "user", "\n" and a separator: 4000 characters, 1000 tokens
+    big = classifier.classify(_ctx(_chat("x" * 3994, max_tokens=50)), _tenant())
     assert big.deadline == 900 and big.prompt_tokens == 1000 and big.max_tokens == 50
     assert big.reserved_tokens == 1050
     summary = classifier.classify(_ctx(_chat("tl;dr please")), _tenant())

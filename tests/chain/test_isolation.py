@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 
 from kvgate.chain.tenants import cache_salt_for
-from kvgate.types import RequestContext
+from kvgate.ingress import request_context
 from tests.chain.helpers import chat, make_key, tenant
 from tests.conftest import gateway_config
 
@@ -81,7 +81,7 @@ def test_headers_cannot_change_tenant_or_raise_priority(upstream, start_gateway)
         """Classify as the chain does: the tenant comes from the key, never from headers."""
         raw = [(k.encode(), v.encode()) for k, v in headers.items()]
         payload = {"model": "m1", "messages": [{"role": "user", "content": "hi"}]}
-        ctx = RequestContext("t", "chat", "/v1/chat/completions", raw, b"", payload, "m1", False)
+        ctx = request_context("chat", payload, headers=raw)
         tenant_ = app.tenants.keys[key.partition(".")[0]].tenant
         return app.classifier.classify(ctx, tenant_).explain()
 

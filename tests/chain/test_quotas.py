@@ -8,8 +8,8 @@ import asyncio
 import httpx
 import pytest
 
-from kvgate.chain.quotas import InMemoryQuotaStore, QuotaExceeded, QuotaTooSmall
-from kvgate.chain.settings import LimitsConfig
+from kvgate.chain.settings import TenantLimits
+from kvgate.state.quotas import InMemoryQuotaStore, QuotaExceeded, QuotaTooSmall
 from tests.chain.helpers import IDLE, admission_state, chat, make_key, tenant
 from tests.conftest import gateway_config
 
@@ -25,7 +25,7 @@ class Clock:
 async def test_reserve_settle_release_and_retry_after():
     clock = Clock()
     store = InMemoryQuotaStore(clock)
-    limits = LimitsConfig(requests_per_minute=2, tokens_per_minute=600)
+    limits = TenantLimits(requests_per_minute=2, tokens_per_minute=600)
     first = await store.reserve("t", limits, 400)
     with pytest.raises(QuotaExceeded) as short:
         await store.reserve("t", limits, 300)
@@ -54,7 +54,7 @@ async def test_reserve_settle_release_and_retry_after():
 
 async def test_exact_under_concurrency():
     store = InMemoryQuotaStore()
-    limits = LimitsConfig(requests_per_minute=7)
+    limits = TenantLimits(requests_per_minute=7)
 
     async def one() -> bool:
         try:

@@ -22,6 +22,7 @@ from kvgate.errors import (
     UpstreamUnavailable,
     upstream_error_from_body,
 )
+from kvgate.ingress import request_context
 from kvgate.types import RequestContext
 from kvgate.upstream.attempts import judge
 from kvgate.upstream.backoff import full_jitter_delay
@@ -66,17 +67,11 @@ def ctx_for(
         if payload is not None
         else {"model": "m", "stream": stream, "messages": [{"role": "user", "content": "hi"}]}
     )
-    return RequestContext(
-        request_id="r",
-        route=route,
-        upstream_path="/v1/x",
-        client_headers=headers or [],
-        body=orjson.dumps(payload),
-        payload=payload,
-        model="m",
-        stream=stream,
-        tier=tier,
+    ctx = request_context(
+        route, payload, headers=headers or [], body=orjson.dumps(payload), upstream_path="/v1/x"
     )
+    ctx.tier = tier
+    return ctx
 
 
 # --- window and back-off -------------------------------------------------------------------

@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kvgate.routing.endpoints import Endpoint, EndpointLimits, Fleet, Pool
+from kvgate.ingress import request_context
+from kvgate.routing.endpoints import Endpoint, Fleet, Pool, SaturationLimits
 from kvgate.routing.telemetry import EngineTelemetry
 from kvgate.types import RequestContext
 
@@ -16,7 +17,7 @@ def endpoint(
     model: str = "m",
     pool: str = "p",
     labels: dict[str, str] | None = None,
-    limits: EndpointLimits | None = None,
+    limits: SaturationLimits | None = None,
     **state: Any,
 ) -> Endpoint:
     e = Endpoint(
@@ -26,7 +27,7 @@ def endpoint(
         engine="vllm",
         configured_models=frozenset({model}),
         labels=labels or {},
-        limits=limits or EndpointLimits(),
+        limits=limits or SaturationLimits(),
     )
     for key, value in state.items():
         setattr(e, key, value)
@@ -52,13 +53,4 @@ def ctx(
     **payload: Any,
 ) -> RequestContext:
     body = {"model": model, "messages": [{"role": "user", "content": text}], **payload}
-    return RequestContext(
-        request_id="r",
-        route="chat",
-        upstream_path="/v1/chat/completions",
-        client_headers=headers or [],
-        body=b"{}",
-        payload=body,
-        model=model,
-        stream=True,
-    )
+    return request_context("chat", {**body, "stream": True}, headers=headers or [], body=b"{}")

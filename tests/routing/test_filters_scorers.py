@@ -11,11 +11,6 @@ from kvgate.routing.match import PrefixMatch
 from tests.routing.helpers import ctx, endpoint, telemetry
 
 
-class Open:
-    def admits(self) -> bool:
-        return False
-
-
 def _names(loads):
     return [c.name for c in loads]
 
@@ -26,27 +21,6 @@ def _loads(endpoints):
 
 
 FILTER_CASES = [
-    (
-        "serves_model",
-        filters.ServesModel(),
-        lambda: [endpoint("a"), endpoint("b", model="other")],
-        {},
-        ["a"],
-    ),
-    (
-        "healthy",
-        filters.Healthy(),
-        lambda: [endpoint("a"), endpoint("b", healthy=False)],
-        {},
-        ["a"],
-    ),
-    (
-        "breaker_admits",
-        filters.BreakerAdmits(),
-        lambda: [endpoint("a", breaker=Open()), endpoint("b")],
-        {},
-        ["b"],
-    ),
     (
         "fresh_telemetry",
         filters.FreshTelemetry(),

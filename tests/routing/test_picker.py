@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 
 from kvgate.errors import NotFound, Overloaded
-from kvgate.routing.picker import PolicyPicker, PoolRouter, RoutingServices
-from kvgate.routing.policy import build_policy, builtin_policy
+from kvgate.routing.policy import build_policy
+from kvgate.routing.policy_catalog import builtin_policy
+from kvgate.routing.router import ModelFallbackStage, PolicyPicker, PoolRouter
+from kvgate.routing.services import RoutingServices
 from kvgate.routing.settings import RoutingConfig
 from tests.routing.helpers import ctx, endpoint, fleet, telemetry
 
@@ -97,13 +99,26 @@ def test_when_saturated_queue_reject_and_fallbacks():
     assert caught.value.code == "all_endpoints_saturated"
     to_pool, _ = _picker(a, big, small, policy=build_policy({"fallback": {"pool": "spare"}}, "p"))
     assert to_pool.choose(ctx()) is big
-    to_model, _ = _picker(
-        a, big, small, policy=build_policy({"fallback": {"model": "m-small"}}, "p")
+
+
+async def test_model_fallback_is_settled_before_admission_and_picking_follows():
+    a = endpoint("a", telemetry=telemetry(waiting=9))
+    small = endpoint("small", model="m-small", pool="spare")
+    to_model, services = _picker(
+        a, small, policy=build_policy({"fallback": {"model": "m-small"}}, "p")
     )
+    spare = PolicyPicker(to_model.fleet, "spare", builtin_policy("kvgate"), services)
+    router = PoolRouter(to_model.fleet, {"p": to_model, "spare": spare})
     request = ctx()
-    assert to_model.choose(request) is small
+    assert to_model.choose(request) is a  # picking alone never changes the model
+    await ModelFallbackStage(router)(request)
     assert (request.model, request.payload["model"]) == ("m-small", "m-small")
     assert b'"m-small"' in request.body
+    assert router.choose(request) is small
+    unsaturated = ctx()
+    a.telemetry = telemetry(waiting=0)
+    await ModelFallbackStage(router)(unsaturated)
+    assert unsaturated.model == "m"
 
 
 def test_jurisdiction_filter_applies_residency():
@@ -204,9 +219,9 @@ def test_telemetry_corrects_the_view_upwards_and_goes_stale():
     assert e.stale and load.stale
     assert (load.queued_requests, load.active_sequences, load.kv_usage) == (1, 2, 0.0)
     assert e.routable  # stale policy `local` keeps it
-    from kvgate.routing.endpoints import EndpointLimits
+    from kvgate.routing.endpoints import SaturationLimits
 
-    e.limits = EndpointLimits(stale_policy="exclude")
+    e.limits = SaturationLimits(stale_policy="exclude")
     assert not e.routable
 
 

@@ -8,17 +8,32 @@ import pytest
 import yaml
 
 from kvgate.config import ConfigError, load_config, parse_config
-from kvgate.routing.policy import PolicyError, build_policy, builtin_policy, load_policy
+from kvgate.routing.policy import PolicyError, build_policy, load_policy
+from kvgate.routing.policy_catalog import (
+    builtin_policy,
+    load_policies,
+    policy_names,
+    resolve_policy,
+    shipped_text,
+)
 from tests.routing.helpers import ctx
 
-POLICIES = Path(__file__).resolve().parents[2] / "policies"
+POLICIES = Path(__file__).resolve().parents[2] / "kvgate" / "policies"
 
 
 @pytest.mark.parametrize("name", ["latency", "cost", "balanced"])
-def test_shipped_policies_load(name):
-    policy = load_policy(POLICIES / f"{name}.yaml")
-    assert policy.name == name
-    assert policy.default.scorers and policy.uses_prefix
+def test_shipped_policies_load_by_name_and_by_path(name):
+    by_name = resolve_policy(name, None)
+    assert by_name.name == name
+    assert by_name.default.scorers and by_name.uses_prefix
+    assert load_policy(POLICIES / f"{name}.yaml").name == name
+    assert shipped_text(name) == (POLICIES / f"{name}.yaml").read_text()
+
+
+def test_policy_names_are_the_builtins_and_the_shipped_files():
+    assert policy_names() == [
+        "kvgate", "random", "round_robin", "least_loaded", "balanced", "cost", "latency"
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", ["random", "round_robin", "least_loaded", "kvgate"])
@@ -74,7 +89,7 @@ def test_config_names_policy_file_errors_under_the_pool(tmp_path):
         )
     )
     with pytest.raises(ConfigError) as caught:
-        load_config(tmp_path / "gw.yaml")
+        load_policies(load_config(tmp_path / "gw.yaml"))
     problems = caught.value.problems
     assert (
         f"pools[0].policy: {tmp_path / 'bad.yaml'}: scorers[0].weight: a scorer needs a "
@@ -87,20 +102,33 @@ def test_config_names_policy_file_errors_under_the_pool(tmp_path):
     assert any(p.startswith("pools[2].policy: unknown policy 'fastest'") for p in problems)
 
 
-def test_config_loads_a_policy_file_and_keeps_it():
-    config = parse_config(
-        {
-            "pools": [
-                {
-                    "name": "a",
-                    "policy": str(POLICIES / "cost.yaml"),
-                    "endpoints": [{"url": "http://e:1"}],
-                }
-            ]
-        }
-    )
-    assert config.routing_policy("a").name == "cost"
-    assert config.routing_policy("missing") is None
+def test_policies_load_from_a_config_by_name_path_and_relative_path(tmp_path):
+    (tmp_path / "mine.yaml").write_text((POLICIES / "balanced.yaml").read_text())
+    (tmp_path / "gw.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "pools": [
+                    {"name": "a", "policy": str(POLICIES / "cost.yaml"),
+                     "endpoints": [{"url": "http://e:1"}]},
+                    {"name": "b", "policy": "latency", "endpoints": [{"url": "http://e:2"}]},
+                    {"name": "c", "policy": "./mine.yaml", "endpoints": [{"url": "http://e:3"}]},
+                    {"name": "d", "endpoints": [{"url": "http://e:4"}]},
+                ]
+            }
+        )
+    )  # fmt: skip
+    policies = load_policies(load_config(tmp_path / "gw.yaml"))
+    assert {pool: p.name for pool, p in policies.items()} == {
+        "a": "cost", "b": "latency", "c": "balanced", "d": "kvgate"
+    }  # fmt: skip
+
+
+def test_policy_naming_a_pool_the_config_lacks_is_an_error(tmp_path):
+    source = tmp_path / "big.yaml"
+    source.write_text(yaml.safe_dump({"name": "x", "pools": ["gpu-big"]}))
+    pools = [{"name": "a", "policy": str(source), "endpoints": [{"url": "http://e:1"}]}]
+    with pytest.raises(ConfigError, match="names pools the config does not have: gpu-big"):
+        load_policies(parse_config({"pools": pools}))
 
 
 def test_rules_match_model_tier_class_and_headers():

@@ -11,6 +11,7 @@ from collections import OrderedDict
 
 import pytest
 
+from kvgate.prompt_view import prompt_text
 from kvgate.routing.prefix_index import (
     BYTES_PER_LEAF,
     BYTES_PER_LEAF_BLOCK,
@@ -19,7 +20,6 @@ from kvgate.routing.prefix_index import (
     PrefixHasher,
     PrefixIndex,
 )
-from kvgate.routing.prompt_text import prompt_text
 
 HASHER = PrefixHasher(block_chars=8, max_blocks=4)
 

@@ -10,7 +10,7 @@ import pytest
 
 from kvgate.state.memory import MemoryStore
 from kvgate.state.redis_store import RedisStore, RedisStoreSettings
-from kvgate.state.store import EndpointLoad
+from kvgate.state.store import ReplicaLoad
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -66,11 +66,11 @@ async def test_deltas_reach_every_other_replica_but_not_the_sender(redis_server)
 
 async def test_load_heartbeats_sum_over_live_peers_and_expire(redis_server):
     stores = [_store(redis_server.url, SetView(), "t2") for _ in range(3)]
-    seen: list[dict[str, EndpointLoad]] = []
+    seen: list[dict[str, ReplicaLoad]] = []
     stores[0].report_load(dict, lambda peers: seen.append(dict(peers)))
-    stores[1].report_load(lambda: {"pool-0": EndpointLoad(2, 100)}, lambda peers: None)
+    stores[1].report_load(lambda: {"pool-0": ReplicaLoad(2, 100)}, lambda peers: None)
     stores[2].report_load(
-        lambda: {"pool-0": EndpointLoad(3, 50), "pool-1": EndpointLoad(1, 7)}, lambda peers: None
+        lambda: {"pool-0": ReplicaLoad(3, 50), "pool-1": ReplicaLoad(1, 7)}, lambda peers: None
     )
     for store in stores:
         await store.start()
@@ -79,13 +79,13 @@ async def test_load_heartbeats_sum_over_live_peers_and_expire(redis_server):
         await _eventually(
             lambda: (
                 stores[0].peer_load()
-                == {"pool-0": EndpointLoad(5, 150), "pool-1": EndpointLoad(1, 7)}
+                == {"pool-0": ReplicaLoad(5, 150), "pool-1": ReplicaLoad(1, 7)}
             )
         )
-        await _eventually(lambda: stores[1].peer_load().get("pool-0") == EndpointLoad(3, 50))
-        assert {"pool-0": EndpointLoad(5, 150), "pool-1": EndpointLoad(1, 7)} in seen
+        await _eventually(lambda: stores[1].peer_load().get("pool-0") == ReplicaLoad(3, 50))
+        assert {"pool-0": ReplicaLoad(5, 150), "pool-1": ReplicaLoad(1, 7)} in seen
         await stores[2].stop()
-        await _eventually(lambda: stores[0].peer_load() == {"pool-0": EndpointLoad(2, 100)})
+        await _eventually(lambda: stores[0].peer_load() == {"pool-0": ReplicaLoad(2, 100)})
         assert stores[0].replicas == 2
     finally:
         await stores[0].stop()

@@ -8,7 +8,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvgate.routing.endpoints import Fleet
-from kvgate.routing.picker import RoutingServices
+from kvgate.routing.services import RoutingServices
 
 
 class RoutingCollector(Collector):

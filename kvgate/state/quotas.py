@@ -6,9 +6,10 @@ the reservation: the difference is taken, and the bucket may go into debt); a re
 reached an engine is `release`d in full. Each bucket holds up to one minute's allowance and
 refills continuously, so `Retry-After` is exactly the time until the missing amount refills.
 
-`QuotaStore` is the seam for shared quotas across replicas (Redis, issue 7): `reserve` is async
-so a store may make one short network call; `settle` and `release` are called from release
-callbacks and must not block (a remote store queues them).
+`QuotaStore` is the seam for shared quotas across replicas (`RedisQuotaStore`): `reserve` is
+async so a store may make one short network call; `settle` and `release` are called from
+release callbacks and must not block (a remote store queues them). Limits are plain numbers
+(`QuotaLimits`): state knows nothing of tenants' config.
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
-
-from kvgate.chain.settings import LimitsConfig
 
 
 class QuotaExceeded(Exception):
@@ -40,6 +39,14 @@ class QuotaTooSmall(Exception):
         self.allowance = allowance
 
 
+@dataclass(frozen=True, slots=True)
+class QuotaLimits:
+    """A tenant's rate limits; None is unlimited."""
+
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+
+
 @dataclass(slots=True)
 class Reservation:
     tenant: str
@@ -48,7 +55,7 @@ class Reservation:
 
 
 class QuotaStore(Protocol):
-    async def reserve(self, tenant: str, limits: LimitsConfig, tokens: int) -> Reservation:
+    async def reserve(self, tenant: str, limits: QuotaLimits, tokens: int) -> Reservation:
         """Take one request and `tokens` tokens, or raise QuotaExceeded / QuotaTooSmall."""
         ...
 
@@ -101,7 +108,7 @@ class InMemoryQuotaStore:
         self.clock = clock
         self._tenants: dict[str, _TenantBuckets] = {}
 
-    def _buckets(self, tenant: str, limits: LimitsConfig, now: float) -> _TenantBuckets:
+    def _buckets(self, tenant: str, limits: QuotaLimits, now: float) -> _TenantBuckets:
         state = self._tenants.get(tenant)
         if state is None:
             rpm, tpm = limits.requests_per_minute, limits.tokens_per_minute
@@ -112,7 +119,7 @@ class InMemoryQuotaStore:
             self._tenants[tenant] = state
         return state
 
-    async def reserve(self, tenant: str, limits: LimitsConfig, tokens: int) -> Reservation:
+    async def reserve(self, tenant: str, limits: QuotaLimits, tokens: int) -> Reservation:
         now = self.clock()
         state = self._buckets(tenant, limits, now)
         requests, token_bucket = state.requests, state.tokens

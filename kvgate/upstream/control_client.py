@@ -1,4 +1,6 @@
-"""The one pooled HTTP client a gateway process uses to reach its engines."""
+"""The control-plane HTTP client (httpx): health checks, model discovery, telemetry scrapes.
+
+The data path (inference requests) uses its own client, `kvgate/upstream/transport.py`."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import httpx
 from kvgate.config import TimeoutsConfig, UpstreamConfig
 
 
-def build_upstream_client(upstream: UpstreamConfig, timeouts: TimeoutsConfig) -> httpx.AsyncClient:
+def build_control_client(upstream: UpstreamConfig, timeouts: TimeoutsConfig) -> httpx.AsyncClient:
     """Keep-alive pool with bounded size. Only the connect phase uses httpx's own timeout: the
     first-token, stall and total deadlines are enforced by the relay, which knows the phase.
     `trust_env=False` so that proxy variables of the host never reroute engine traffic."""

@@ -1,0 +1,149 @@
+"""One view of a request's prompt, computed once and read by every stage.
+
+Classification reads the text pieces (message contents, completion prompts, embedding inputs)
+and the token estimate; admission reserves quota with the same estimate; routing hashes the
+canonical text and prices uncached tokens with the same estimate. Everything is computed on
+first use and kept: a request that no rule and no scorer looks at costs one pass that only
+collects references to the strings the JSON parser made.
+
+The canonical text is not the engine's chat template (the gateway does not know it); it only
+has to be deterministic and prefix-preserving: a conversation extended by more messages
+renders to text that starts with the shorter conversation's text, so multi-turn sessions share
+their prefix. Tools come first because templates put them in the system prompt.
+
+The token estimate is characters ÷ `chars_per_token` (no tokenizer on the hot path), plus the
+prompt tokens given directly as token ids.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import orjson
+
+_MESSAGE_END = "\x1e"  # record separator: cannot be confused with message text boundaries
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _content_pieces(content: Any) -> list[str]:
+    """The text of a message's content: a string, or the text (and image URL) of its parts."""
+    if isinstance(content, str):
+        return [content]
+    pieces: list[str] = []
+    if isinstance(content, list):
+        for part in content:
+            if not isinstance(part, dict):
+                continue
+            text = part.get("text")
+            if isinstance(text, str):
+                pieces.append(text)
+            elif isinstance(part.get("image_url"), dict):
+                pieces.append(str(part["image_url"].get("url", "")))
+    return pieces
+
+
+class PromptView:
+    """The prompt of one chat, completions or embeddings payload (see the module docstring)."""
+
+    __slots__ = ("_canonical", "_contents", "_pieces", "_text", "_tokens", "chars_per_token",
+                 "payload", "route")  # fmt: skip
+
+    def __init__(self, route: str, payload: dict[str, Any], chars_per_token: float) -> None:
+        self.route = route
+        self.payload = payload
+        self.chars_per_token = chars_per_token
+        self._pieces: list[str] | None = None
+        self._contents: list[str] | None = None
+        self._canonical: str | None = None
+        self._text: str | None = None
+        self._tokens: int | None = None
+
+    def _collect(self) -> None:
+        """One pass: the canonical text's pieces and the content pieces among them."""
+        pieces: list[str] = []
+        contents: list[str] = []
+        payload = self.payload
+        messages = payload.get("messages") if self.route == "chat" else None
+        if isinstance(messages, list):
+            tools = payload.get("tools")
+            if tools:
+                pieces.append(orjson.dumps(tools, option=orjson.OPT_SORT_KEYS).decode())
+                pieces.append(_MESSAGE_END)
+            for message in messages:
+                if isinstance(message, dict):
+                    parts = _content_pieces(message.get("content"))
+                    pieces += (str(message.get("role", "")), "\n", *parts, _MESSAGE_END)
+                    contents += parts
+        else:
+            carrier = payload.get("prompt" if self.route == "completions" else "input")
+            if isinstance(carrier, str):
+                pieces.append(carrier)
+                contents.append(carrier)
+            elif isinstance(carrier, list) and carrier:
+                strings = [p for p in carrier if isinstance(p, str)]
+                contents += strings
+                first = carrier[0]
+                if isinstance(first, str):
+                    pieces.append(first)  # a batch of prompts: the first one decides the route
+                elif _is_int(first):
+                    pieces.append(" ".join(map(str, carrier)))  # same ids, same prefix
+        self._pieces = pieces
+        self._contents = contents
+
+    @property
+    def contents(self) -> list[str]:
+        """The prompt's text pieces: message contents, completion prompts, embedding inputs."""
+        if self._contents is None:
+            self._collect()
+        assert self._contents is not None
+        return self._contents
+
+    @property
+    def text(self) -> str:
+        """The text pieces joined by newlines: what classification rules search."""
+        if self._text is None:
+            self._text = "\n".join(self.contents)
+        return self._text
+
+    @property
+    def canonical(self) -> str:
+        """The canonical prompt text the prefix index hashes ('' when there is none)."""
+        if self._canonical is None:
+            if self._pieces is None:
+                self._collect()
+            assert self._pieces is not None
+            self._canonical = "".join(self._pieces)
+        return self._canonical
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The one estimate of the prompt's tokens every stage uses."""
+        if self._tokens is None:
+            if self._pieces is None:
+                self._collect()
+            assert self._pieces is not None
+            # Chat: roles and tools are prompt tokens too, so the canonical pieces count.
+            pieces = self._pieces if self.route == "chat" else self.contents
+            chars = sum(map(len, pieces))
+            self._tokens = math.ceil(chars / self.chars_per_token) + self.token_ids
+        return self._tokens
+
+    @property
+    def token_ids(self) -> int:
+        """Prompt tokens given directly as token ids (completions and embeddings only)."""
+        if self.route == "chat":
+            return 0
+        carrier = self.payload.get("prompt" if self.route == "completions" else "input")
+        if isinstance(carrier, list) and carrier and not isinstance(carrier[0], str):
+            return sum(len(p) if isinstance(p, list) else 1 for p in carrier)
+        return 0
+
+
+def prompt_text(payload: dict[str, Any]) -> str:
+    """Canonical text of a chat or completions payload ('' when it has no prompt)."""
+    route = "chat" if isinstance(payload.get("messages"), list) else "completions"
+    return PromptView(route, payload, 1.0).canonical

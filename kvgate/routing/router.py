@@ -1,0 +1,271 @@
+"""Choosing the endpoint for a request: the `model` and `pick` stages of the chain.
+
+PoolRouter ── model → home pool ──▶ PolicyPicker (one per pool, its RoutingPolicy)
+    candidates (`Fleet.serving`: routable, serving the model, in the profile's pools)
+    → prefix match computed once per request (producer; scorers only read it)
+    → shortlist of a pool larger than `routing.max_candidates` (holders, session, window)
+    → one load snapshot per candidate (EndpointLoad), read by everything after it
+    → filters → saturation (→ fallback pool, or queue / reject)
+    → scorers, clamped and weighted here → picker → record the decision in the index
+
+A policy's `fallback.model` (a smaller model when the pool is saturated) is settled before
+admission (`ModelFallbackStage`), so that quota is reserved and the intent classified under the
+model the request will really use; picking never changes the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Collection, Sequence
+from typing import Protocol
+
+import orjson
+
+from kvgate.errors import NotFound, Overloaded
+from kvgate.request_options import ROUTE_EXPLAIN
+from kvgate.routing.endpoints import Endpoint, EndpointLoad, Fleet
+from kvgate.routing.plugins import Filter, Scorer
+from kvgate.routing.policy import RoutingPolicy, RoutingProfile
+from kvgate.routing.services import RoutingServices
+from kvgate.types import RequestContext
+
+
+class EndpointPicker(Protocol):
+    def choose(self, ctx: RequestContext, exclude: Collection[Endpoint] = ()) -> Endpoint:
+        """The endpoint for `ctx` among routable ones serving `ctx.model`, never one in
+        `exclude` (endpoints already tried for this request). Raises NotFound for a model
+        nobody serves and Overloaded when no endpoint can take it now."""
+        ...
+
+
+def routable_candidates(
+    fleet: Fleet,
+    model: str,
+    exclude: Collection[Endpoint] = (),
+    pools: Collection[str] | None = None,
+) -> list[Endpoint]:
+    """`Fleet.serving`, or NotFound / Overloaded when it is empty."""
+    candidates = fleet.serving(model, exclude=exclude, pools=pools)
+    if not candidates:
+        if not fleet.serves(model):
+            raise NotFound(
+                f"The model '{model}' does not exist or is not served here",
+                param="model",
+                code="model_not_found",
+            )
+        raise Overloaded(
+            f"No healthy endpoint serves the model '{model}' right now",
+            code="no_healthy_endpoint",
+            retry_after=1,
+        )
+    return candidates
+
+
+def weighted_scores(
+    ctx: RequestContext,
+    candidates: Sequence[EndpointLoad],
+    scorers: Sequence[tuple[Scorer, float]],
+) -> tuple[list[float], list[list[float]]]:
+    """Each scorer's values clamped to [0, 1], and their weighted mean per candidate."""
+    total_weight = sum(w for _, w in scorers)
+    columns: list[list[float]] = []
+    totals: list[float] | None = None
+    for scorer, weight in scorers:
+        values = [0.0 if v < 0.0 else 1.0 if v > 1.0 else v for v in scorer(ctx, candidates)]
+        columns.append(values)
+        share = weight / total_weight
+        totals = (
+            [share * v for v in values]
+            if totals is None
+            else [t + share * v for t, v in zip(totals, values, strict=True)]
+        )
+    return totals or [0.0] * len(candidates), columns
+
+
+def _filtered(
+    ctx: RequestContext, filters: Sequence[Filter], candidates: list[EndpointLoad]
+) -> list[EndpointLoad]:
+    for keep in filters:
+        candidates = keep(ctx, candidates)
+    return candidates
+
+
+class PolicyPicker:
+    """Routes requests whose home is `pool` by its `RoutingPolicy`."""
+
+    def __init__(
+        self, fleet: Fleet, pool: str, policy: RoutingPolicy, services: RoutingServices
+    ) -> None:
+        self.fleet = fleet
+        self.pool = pool
+        self.policy = policy
+        self.services = services
+
+    def choose(self, ctx: RequestContext, exclude: Collection[Endpoint] = ()) -> Endpoint:
+        profile, rule = self.policy.profile_for(ctx)
+        return self._choose(ctx, exclude, profile, rule, profile.pools or (self.pool,), True)
+
+    def fallback_model(self, ctx: RequestContext) -> str | None:
+        """The policy's smaller model when every endpoint this request could use is
+        saturated (its pools, then its fallback pool), else None."""
+        profile, _ = self.policy.profile_for(ctx)
+        if profile.fallback_model is None:
+            return None
+        pools = [profile.pools or (self.pool,)]
+        if profile.fallback_pool is not None:
+            pools.append((profile.fallback_pool,))
+        now = time.monotonic()
+        for names in pools:
+            endpoints = self.fleet.serving(ctx.model, pools=names)
+            loads = _filtered(ctx, profile.plain_filters, [EndpointLoad(e, now) for e in endpoints])
+            if _filtered(ctx, profile.saturation_filters, loads):
+                return None
+        return profile.fallback_model
+
+    def _choose(
+        self,
+        ctx: RequestContext,
+        exclude: Collection[Endpoint],
+        profile: RoutingProfile,
+        rule: str,
+        pools: Collection[str],
+        may_fall_back: bool,
+    ) -> Endpoint:
+        endpoints = routable_candidates(self.fleet, ctx.model, exclude, pools)
+        if profile.uses_prefix and ctx.prefix is None:
+            ctx.prefix = self.services.prefix_match(ctx)
+        endpoints = self.services.shortlist(ctx, endpoints)
+        now = time.monotonic()
+        candidates = _filtered(
+            ctx, profile.plain_filters, [EndpointLoad(e, now) for e in endpoints]
+        )  # one load snapshot per candidate
+        if not candidates:
+            raise Overloaded(
+                f"No endpoint for '{ctx.model}' passes the routing policy's filters",
+                code="no_eligible_endpoint",
+                retry_after=1,
+            )
+        available = _filtered(ctx, profile.saturation_filters, candidates)
+        if not available:
+            if may_fall_back and profile.fallback_pool is not None:
+                try:
+                    return self._choose(
+                        ctx, exclude, profile, rule, (profile.fallback_pool,), False
+                    )
+                except (NotFound, Overloaded):
+                    pass
+            if profile.when_saturated == "reject":
+                raise Overloaded(
+                    f"Every endpoint serving '{ctx.model}' is saturated",
+                    code="all_endpoints_saturated",
+                    retry_after=1,
+                )
+            available = candidates
+        scores, columns = (
+            weighted_scores(ctx, available, profile.scorers) if profile.scorers else (None, [])
+        )
+        chosen = available[profile.picker(ctx, available, scores)].endpoint
+        self._record(ctx, chosen)
+        if self.services.explain_allowed(ctx):
+            ctx.response_headers.append(
+                (
+                    ROUTE_EXPLAIN,
+                    _explain(self.policy.name, rule, profile, available, scores, columns),
+                )
+            )
+        return chosen
+
+    def _record(self, ctx: RequestContext, chosen: Endpoint) -> None:
+        prefix = ctx.prefix
+        if prefix is None:
+            return
+        self.services.index.record(chosen.name, prefix.hashes)
+        if prefix.session is not None:
+            self.services.affinity.set(prefix.session, chosen.name)
+
+
+def _explain(
+    policy: str,
+    rule: str,
+    profile: RoutingProfile,
+    candidates: Sequence[EndpointLoad],
+    scores: Sequence[float] | None,
+    columns: Sequence[Sequence[float]],
+) -> bytes:
+    names = [s.NAME for s, _ in profile.scorers]
+    parts = [f"policy={policy}; rule={rule}; objective={profile.objective}"]
+    for i, candidate in enumerate(candidates):
+        fields = [candidate.name]
+        if scores is not None:
+            fields.append(f"score={scores[i]:.3f}")
+            fields += [
+                f"{name}={column[i]:.3f}" for name, column in zip(names, columns, strict=True)
+            ]
+        fields.append(f"inflight={candidate.inflight}")
+        parts.append(" ".join(fields))
+    return "; ".join(parts).encode("ascii", "replace")
+
+
+class PoolRouter:
+    """The process's `EndpointPicker`: a request goes to the picker of the first pool (in
+    config order) that serves its model; that pool's policy may name other pools."""
+
+    def __init__(self, fleet: Fleet, pickers: dict[str, PolicyPicker]) -> None:
+        self.fleet = fleet
+        self.pickers = pickers
+
+    def choose(self, ctx: RequestContext, exclude: Collection[Endpoint] = ()) -> Endpoint:
+        pool = self.fleet.home_pool(ctx.model)
+        if pool is not None:
+            return self.pickers[pool].choose(ctx, exclude)
+        return routable_candidates(self.fleet, ctx.model, exclude)[0]  # raises NotFound
+
+    def fallback_model(self, ctx: RequestContext) -> str | None:
+        pool = self.fleet.home_pool(ctx.model)
+        return self.pickers[pool].fallback_model(ctx) if pool is not None else None
+
+
+def build_router(
+    fleet: Fleet, policies: dict[str, RoutingPolicy], services: RoutingServices
+) -> PoolRouter:
+    """One PolicyPicker per pool, with the pool's policy (`policies`, by pool name)."""
+    return PoolRouter(
+        fleet,
+        {
+            pool.name: PolicyPicker(fleet, pool.name, policies[pool.name], services)
+            for pool in fleet.pools
+        },
+    )
+
+
+class ModelFallbackStage:
+    """Before admission: when every endpoint for the requested model is saturated and the
+    policy names a smaller model this tenant may use, switch to it — the one place the body is
+    re-serialised for routing — so that quota, intent and routing all see the model served."""
+
+    def __init__(self, router: PoolRouter) -> None:
+        self.router = router
+
+    async def __call__(self, ctx: RequestContext) -> None:
+        model = self.router.fallback_model(ctx)
+        if model is None or model == ctx.model:
+            return
+        if ctx.tenant is not None and not ctx.tenant.may_use(model):
+            return
+        ctx.model = model
+        ctx.payload["model"] = model
+        ctx.body = orjson.dumps(ctx.payload)
+        if ctx.intent is not None:
+            ctx.intent = dataclasses.replace(ctx.intent, model=model)
+
+
+class PickStage:
+    """Assigns `ctx.endpoint`. The in-flight count is the forwarder's: it is taken per attempt,
+    at dispatch, so that a request that is refused later never counts against an engine."""
+
+    def __init__(self, picker: EndpointPicker) -> None:
+        self.picker = picker
+
+    async def __call__(self, ctx: RequestContext) -> None:
+        ctx.endpoint = self.picker.choose(ctx)

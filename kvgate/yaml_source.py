@@ -1,0 +1,100 @@
+"""Reading YAML files that people edit (gateway configs, routing policies): one loader that keeps
+where every key was written, so an error can name the file, the line and column, the key path,
+the reason and the offending value (secrets masked)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+Loc = tuple[str | int, ...]
+# Keys whose values are never shown in an error message.
+_SECRET_WORDS = ("key", "secret", "password", "token", "sha256", "credential")
+_MAX_SHOWN = 60
+
+
+class YamlSourceError(Exception):
+    """The file cannot be read or is not valid YAML; `problems` are `where: reason` lines."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+@dataclass(frozen=True, slots=True)
+class YamlDocument:
+    """A parsed YAML document and the position (1-based line, column) of every key and list
+    item in it, by key path."""
+
+    data: Any
+    marks: dict[Loc, tuple[int, int]] = field(default_factory=dict)
+
+    def where(self, loc: Sequence[str | int]) -> str:
+        """`line L, column C: key.path` for the deepest part of `loc` that was written in the
+        file (a missing key is reported where its parent is)."""
+        path = key_path(loc)
+        for end in range(len(loc), 0, -1):
+            mark = self.marks.get(tuple(loc[:end]))
+            if mark is not None:
+                return f"line {mark[0]}, column {mark[1]}: {path}"
+        return path
+
+
+def key_path(loc: Sequence[str | int]) -> str:
+    """`pools[0].endpoints[1].url` for ("pools", 0, "endpoints", 1, "url")."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def shown_value(loc: Sequence[str | int], value: Any) -> str:
+    """The offending value for an error message: short, and masked under secret-like keys."""
+    names = [p for p in loc if isinstance(p, str)]
+    if names and any(word in names[-1].lower() for word in _SECRET_WORDS):
+        return "'***'"
+    text = repr(value)
+    return text if len(text) <= _MAX_SHOWN else text[: _MAX_SHOWN - 3] + "..."
+
+
+def parse_yaml(text: str) -> YamlDocument:
+    """Parse `text`; raises YamlSourceError naming the line and column of a syntax error."""
+    try:
+        data = yaml.safe_load(text)
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "(file)"
+        reason = getattr(exc, "problem", None) or str(exc)
+        raise YamlSourceError([f"{where}: invalid YAML: {reason}"]) from None
+    marks: dict[Loc, tuple[int, int]] = {}
+    if root is not None:
+        _walk(root, (), marks)
+    return YamlDocument(data, marks)
+
+
+def read_yaml(path: str | Path) -> YamlDocument:
+    """Read and parse a YAML file; raises YamlSourceError when it cannot be read or parsed."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise YamlSourceError([f"(file): cannot read: {exc.strerror}"]) from None
+    return parse_yaml(text)
+
+
+def _walk(node: yaml.Node, loc: Loc, marks: dict[Loc, tuple[int, int]]) -> None:
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            key = key_node.value
+            here = (*loc, key)
+            marks[here] = (key_node.start_mark.line + 1, key_node.start_mark.column + 1)
+            _walk(value_node, here, marks)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            here = (*loc, i)
+            marks[here] = (item.start_mark.line + 1, item.start_mark.column + 1)
+            _walk(item, here, marks)
