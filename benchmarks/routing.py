@@ -175,7 +175,7 @@ def ideal_reuse(plans: list[Planned], block_chars: int = 64) -> tuple[float, flo
     """The fraction of prompt text one engine with an infinite cache would reuse, and the
     reusable working set in simulator tokens: the text of every distinct block reused at least
     once, counted with the simulator's tokenizer."""
-    from kvgate.routing.prefix_index import PrefixHasher
+    from kvgate.routing.prefix_hasher import PrefixHasher
     from kvgate.routing.prompt_text import prompt_text
     from kvgate.sim.tokenizer import count_tokens
 
@@ -422,7 +422,9 @@ def micro() -> dict[str, Any]:
     from kvgate.routing.endpoints import Endpoint, Fleet, Pool
     from kvgate.routing.picker import PolicyPicker, RoutingServices
     from kvgate.routing.policy import builtin_policy
-    from kvgate.routing.prefix_index import EndpointBlocks, PrefixHasher, PrefixIndex
+    from kvgate.routing.prefix_hasher import PrefixHasher
+    from kvgate.routing.prefix_index import PrefixIndex
+    from kvgate.routing.prefix_tree import EndpointBlocks
     from kvgate.routing.settings import RoutingConfig
     from kvgate.routing.telemetry import EngineTelemetry
     from kvgate.types import RequestContext

@@ -39,9 +39,9 @@ from kvgate.routing.telemetry import TelemetryScraper
 from kvgate.state import EndpointLoad, build_store
 from kvgate.state.prefix_sync import SharedPrefixIndex
 from kvgate.types import RequestContext
-from kvgate.upstream.client import build_upstream_client
+from kvgate.upstream.control_client import build_upstream_client
+from kvgate.upstream.forwarder import Forwarder
 from kvgate.upstream.headers import request_id_from
-from kvgate.upstream.relay import Forwarder
 from kvgate.upstream.resilience import Resilience
 from kvgate.upstream.transport import UpstreamTransport
 

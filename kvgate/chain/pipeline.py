@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from kvgate.asgi import Receive, Send, send_error
 from kvgate.errors import GatewayBug, KvgateError
 from kvgate.types import RequestContext, Stage
-from kvgate.upstream.relay import Forwarder
+from kvgate.upstream.forwarder import Forwarder
 
 log = logging.getLogger("kvgate.chain")
 

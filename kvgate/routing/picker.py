@@ -26,7 +26,8 @@ from kvgate.routing.affinity import SessionAffinity, session_key
 from kvgate.routing.endpoints import Endpoint, EndpointLoad, Fleet
 from kvgate.routing.match import PrefixMatch
 from kvgate.routing.policy import RoutingPolicy, RoutingProfile, builtin_policy
-from kvgate.routing.prefix_index import PrefixHasher, PrefixIndex
+from kvgate.routing.prefix_hasher import PrefixHasher
+from kvgate.routing.prefix_index import PrefixIndex
 from kvgate.routing.prompt_text import prompt_text
 from kvgate.routing.settings import ExplainMode, RoutingConfig
 from kvgate.routing.telemetry import EngineTelemetry
