@@ -173,6 +173,18 @@ class AttemptRelay:
                 send, response.status, body, content_type.encode(), _response_headers(ctx)
             )
 
+    async def _expect_stream(self, response: UpstreamResponse) -> None:
+        """Raise the engine's error unless `response` is a 200 event stream."""
+        if response.status != 200:
+            raise await self._error_from(response)
+        content_type = response.headers.get("content-type", "")
+        if not content_type.startswith("text/event-stream"):
+            error = await self._error_from(response)
+            raise UpstreamProtocolError(
+                f"the engine answered a stream request with '{content_type}': {error.message}",
+                code="upstream_not_a_stream",
+            )
+
     async def _relay_stream(
         self,
         ctx: RequestContext,
@@ -186,102 +198,70 @@ class AttemptRelay:
         transcript: StreamTranscript | None,
     ) -> None:
         async with self._opened(request, first_token_until, "first_token") as response:
-            if response.status != 200:
-                raise await self._error_from(response)
-            content_type = response.headers.get("content-type", "")
-            if not content_type.startswith("text/event-stream"):
-                error = await self._error_from(response)
-                raise UpstreamProtocolError(
-                    f"the engine answered a stream request with '{content_type}': {error.message}",
-                    code="upstream_not_a_stream",
+            await self._expect_stream(response)
+            loop = asyncio.get_running_loop()
+            scanner = SseScanner()
+            chunks: AsyncIterator[bytes] = response.iter_raw()
+            phase: Phase = "first_token"
+            error: KvgateError
+            try:
+                async with asyncio.timeout_at(first_token_until) as timer:
+                    pending: list[bytes] = []
+                    size = 0
+                    while scanner.data_events == 0:
+                        chunk = await anext(chunks)
+                        pending.append(scanner.feed(chunk))
+                        size += len(chunk)
+                        if size > _FIRST_EVENT_LIMIT:
+                            raise SseProtocolError("no event in the first MiB of the stream")
+                    if scanner.error is not None and not ctx.committed:
+                        raise _event_error(scanner.error)
+                    first = b"".join(pending)
+                    if transcript is not None:
+                        first = transcript.shape(first)
+                    endpoint.first_token(ctx)  # prefill done: the attempt now counts as decoding
+                    record.first_token()
+                    if ctx.committed:
+                        await _send_body(send, first)
+                    else:
+                        await _commit(ctx, send, first)
+                    phase = "stall"
+                    while not scanner.terminated:
+                        timer.reschedule(min(deadline, loop.time() + stall))
+                        out = scanner.feed(await anext(chunks))
+                        if transcript is not None and out:
+                            out = transcript.shape(out)
+                        await _send_body(send, out)
+                    # Relay anything the engine sends after [DONE] until it closes the stream.
+                    await _send_body(send, scanner.flush())
+                    async for chunk in chunks:
+                        await _send_body(send, chunk)
+            except TimeoutError as expired:
+                error = attempt_failure(expired, "total" if loop.time() >= deadline else phase)
+            except TransportError as failure:
+                error = attempt_failure(failure, phase)
+            except StopAsyncIteration:
+                error = UpstreamUnavailable(
+                    "the engine closed the stream without finishing it",
+                    code="upstream_stream_truncated",
                 )
-            await self._relay_events(
-                ctx,
-                endpoint,
-                response,
-                send,
-                deadline,
-                first_token_until,
-                stall,
-                record,
-                transcript,
-            )
-
-    async def _relay_events(
-        self,
-        ctx: RequestContext,
-        endpoint: Endpoint,
-        response: UpstreamResponse,
-        send: Send,
-        deadline: float,
-        first_token_until: float,
-        stall: float,
-        record: AttemptRecord,
-        transcript: StreamTranscript | None,
-    ) -> None:
-        loop = asyncio.get_running_loop()
-        scanner = SseScanner()
-        chunks: AsyncIterator[bytes] = response.iter_raw()
-        phase: Phase = "first_token"
-        error: KvgateError
-        try:
-            async with asyncio.timeout_at(first_token_until) as timer:
-                pending: list[bytes] = []
-                size = 0
-                while scanner.data_events == 0:
-                    chunk = await anext(chunks)
-                    pending.append(scanner.feed(chunk))
-                    size += len(chunk)
-                    if size > _FIRST_EVENT_LIMIT:
-                        raise SseProtocolError("no event in the first MiB of the stream")
-                if scanner.error is not None and not ctx.committed:
-                    raise _event_error(scanner.error)
-                first = b"".join(pending)
-                if transcript is not None:
-                    first = transcript.shape(first)
-                endpoint.first_token(ctx)  # prefill done: the attempt now counts as decoding
-                record.first_token()
-                if ctx.committed:
-                    await _send_body(send, first)
-                else:
-                    await _commit(ctx, send, first)
-                phase = "stall"
-                while not scanner.terminated:
-                    timer.reschedule(min(deadline, loop.time() + stall))
-                    out = scanner.feed(await anext(chunks))
-                    if transcript is not None and out:
-                        out = transcript.shape(out)
-                    await _send_body(send, out)
-                # Relay anything the engine sends after [DONE] until it closes the stream.
-                await _send_body(send, scanner.flush())
-                async for chunk in chunks:
-                    await _send_body(send, chunk)
-        except TimeoutError as expired:
-            error = attempt_failure(expired, "total" if loop.time() >= deadline else phase)
-        except TransportError as failure:
-            error = attempt_failure(failure, phase)
-        except StopAsyncIteration:
-            error = UpstreamUnavailable(
-                "the engine closed the stream without finishing it",
-                code="upstream_stream_truncated",
-            )
-        except SseProtocolError as exc:
-            error = UpstreamProtocolError(str(exc), code="upstream_malformed_event")
-        else:
+            except SseProtocolError as exc:
+                error = UpstreamProtocolError(str(exc), code="upstream_malformed_event")
+            else:
+                ctx.relayed_events += scanner.data_events
+                ctx.usage = scanner.usage
+                if transcript is not None and transcript.continuing:
+                    ctx.usage = transcript.usage
+                if scanner.error is not None:
+                    ctx.outcome = "upstream_error_event"
+                    record.failed(judge(_event_error(scanner.error)))
+                ctx.responded = True
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
             ctx.relayed_events += scanner.data_events
-            ctx.usage = scanner.usage
-            if transcript is not None and transcript.continuing:
-                ctx.usage = transcript.usage
-            if scanner.error is not None:
-                ctx.outcome = "upstream_error_event"
-                record.failed(judge(_event_error(scanner.error)))
-            ctx.responded = True
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            return
-        ctx.relayed_events += scanner.data_events
-        if ctx.committed:
-            raise StreamBroken(error)
-        raise error
+            if ctx.committed:
+                raise StreamBroken(error)
+            raise error
 
 
 async def _commit(ctx: RequestContext, send: Send, first: bytes) -> None:
