@@ -176,7 +176,7 @@ def ideal_reuse(plans: list[Planned], block_chars: int = 64) -> tuple[float, flo
     reusable working set in simulator tokens: the text of every distinct block reused at least
     once, counted with the simulator's tokenizer."""
     from kvgate.prompt_view import prompt_text
-    from kvgate.routing.prefix_index import PrefixHasher
+    from kvgate.routing.prefix_hasher import PrefixHasher
     from kvgate.sim.tokenizer import count_tokens
 
     hasher = PrefixHasher(block_chars, max_blocks=1_000_000)
@@ -422,7 +422,9 @@ def micro() -> dict[str, Any]:
     from kvgate.ingress import request_context
     from kvgate.routing.endpoints import Endpoint, Fleet, Pool
     from kvgate.routing.policy_catalog import builtin_policy
-    from kvgate.routing.prefix_index import EndpointBlocks, PrefixHasher, PrefixIndex
+    from kvgate.routing.prefix_hasher import PrefixHasher
+    from kvgate.routing.prefix_index import PrefixIndex
+    from kvgate.routing.prefix_tree import EndpointBlocks
     from kvgate.routing.router import PolicyPicker
     from kvgate.routing.services import RoutingServices
     from kvgate.routing.settings import RoutingConfig

@@ -43,7 +43,7 @@ from kvgate.routing.telemetry import TelemetryScraper
 from kvgate.state import MemoryStore, RedisStore, RedisStoreSettings, ReplicaLoad
 from kvgate.types import RequestContext
 from kvgate.upstream.control_client import build_control_client
-from kvgate.upstream.relay import Forwarder
+from kvgate.upstream.forwarder import Forwarder
 from kvgate.upstream.resilience import Resilience
 from kvgate.upstream.transport import UpstreamTransport
 

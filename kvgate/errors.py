@@ -146,10 +146,6 @@ class UpstreamError(UpstreamFailed):
         if error_type:
             self.type = error_type
 
-    @property
-    def retriable(self) -> bool:
-        return self.status in (429, 502, 503, 504)
-
 
 class UpstreamUnavailable(UpstreamFailed):
     default_code = "upstream_unavailable"

@@ -58,6 +58,12 @@ def test_multiline_and_field_prefixed_events():
     assert scanner.done
 
 
+def test_an_event_with_a_field_after_its_data_is_read_by_its_data_lines():
+    scanner = SseScanner()
+    scanner.feed(b'data: {"choices":[],"usage":{"total_tokens":3}}\nid: 4\n\n')
+    assert scanner.data_events == 1 and scanner.usage == {"total_tokens": 3}
+
+
 def test_oversized_event_is_a_protocol_error():
     scanner = SseScanner()
     with pytest.raises(SseProtocolError):

@@ -35,6 +35,7 @@ class Received:
     path: str
     headers: dict[str, str]
     body: dict[str, Any]
+    client: tuple[str, int] | None = None  # the peer address: one per connection
 
 
 class ScriptedUpstream:
@@ -81,7 +82,7 @@ class ScriptedUpstream:
             return
         headers = {k.decode(): v.decode() for k, v in scope["headers"]}
         payload = orjson.loads(body) if body else {}
-        self.received.append(Received(path, headers, payload))
+        self.received.append(Received(path, headers, payload, scope.get("client")))
         watcher = asyncio.ensure_future(self._watch(receive))
         try:
             await self._answer(send, payload)

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from kvgate.routing.affinity import SessionAffinity, session_key
 from kvgate.routing.endpoints import Endpoint
 from kvgate.routing.match import PrefixMatch
-from kvgate.routing.prefix_index import PrefixHasher, PrefixIndex
+from kvgate.routing.prefix_hasher import PrefixHasher
+from kvgate.routing.prefix_index import PrefixIndex
 from kvgate.routing.settings import ExplainMode, RoutingConfig
 from kvgate.routing.telemetry import EngineTelemetry
 from kvgate.types import RequestContext

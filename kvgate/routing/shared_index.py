@@ -12,7 +12,8 @@ import struct
 import time
 from collections.abc import Sequence
 
-from kvgate.routing.prefix_index import PrefixIndex, hashed
+from kvgate.routing.prefix_hasher import hashed
+from kvgate.routing.prefix_index import PrefixIndex
 from kvgate.state.store import Store
 
 TOPIC = "prefix"

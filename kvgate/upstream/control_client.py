@@ -10,9 +10,9 @@ from kvgate.config import TimeoutsConfig, UpstreamConfig
 
 
 def build_control_client(upstream: UpstreamConfig, timeouts: TimeoutsConfig) -> httpx.AsyncClient:
-    """Keep-alive pool with bounded size. Only the connect phase uses httpx's own timeout: the
-    first-token, stall and total deadlines are enforced by the relay, which knows the phase.
-    `trust_env=False` so that proxy variables of the host never reroute engine traffic."""
+    """Keep-alive pool with bounded size; only the connect phase is timed here (callers bound
+    their own calls). `trust_env=False` so that proxy variables of the host never reroute
+    engine traffic."""
     return httpx.AsyncClient(
         limits=httpx.Limits(
             max_connections=upstream.max_connections,

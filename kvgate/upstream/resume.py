@@ -25,15 +25,13 @@ Eligible: streamed chat or completions, n = 1, no tools/functions, no logprobs, 
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import orjson
 
 from kvgate.types import RequestContext
-from kvgate.upstream.sse import SseProtocolError
+from kvgate.upstream.sse import SseProtocolError, event_data, split_events
 
-_BOUNDARY = re.compile(rb"\r?\n\r?\n")
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # vLLM's (and OpenAI's) default for /v1/completions
 
 
@@ -93,15 +91,15 @@ class StreamTranscript:
 
     def shape(self, block: bytes) -> bytes:
         out: list[bytes] = []
-        for event in _BOUNDARY.split(block)[:-1]:
+        events, _ = split_events(block)
+        for event in events:
             shaped = self._event(event)
             if shaped is not None:
                 out.append(shaped)
         return b"".join(out)
 
     def _event(self, event: bytes) -> bytes | None:
-        data = b"".join(line[5:] for line in event.splitlines() if line.startswith(b"data:"))
-        data = data.strip()
+        data = (event_data(event) or b"").strip()
         if not data or data == b"[DONE]":
             return event + b"\n\n"
         try:

@@ -27,6 +27,25 @@ class SseProtocolError(Exception):
     """The upstream stream cannot be understood as server-sent events."""
 
 
+def split_events(buffer: bytes) -> tuple[list[bytes], bytes]:
+    """The complete events in `buffer` (without their blank-line ends) and the bytes after the
+    last one (an event still arriving, or b"")."""
+    # Engines end lines with LF; the regex (which also accepts CRLF) only runs when a CR is
+    # present, as bytes.split is several times faster per chunk.
+    events = _BOUNDARY.split(buffer) if b"\r" in buffer else buffer.split(b"\n\n")
+    tail = events.pop()
+    return events, tail
+
+
+def event_data(event: bytes) -> bytes | None:
+    """The data of one event, unstripped: its `data:` lines' values, joined; None for an event
+    without a `data:` line (a ":" keep-alive, or only "event:"/"id:" fields)."""
+    if event.startswith(b"data:") and b"\n" not in event:
+        return event[5:]  # what engines send: one line per event
+    lines = [line[5:] for line in event.splitlines() if line.startswith(b"data:")]
+    return b"".join(lines) if lines else None
+
+
 class SseScanner:
     """Feed raw chunks in arrival order; read `data_events`, `done`, `error`, `usage`."""
 
@@ -47,10 +66,7 @@ class SseScanner:
     def feed(self, chunk: bytes) -> bytes:
         """Scan `chunk`; return the bytes of the events it completed (possibly b"")."""
         buffer = self._tail + chunk if self._tail else chunk
-        # Engines end lines with LF; the regex (which also accepts CRLF) only runs when a CR is
-        # present, as bytes.split is several times faster per chunk.
-        events = _BOUNDARY.split(buffer) if b"\r" in buffer else buffer.split(b"\n\n")
-        self._tail = events.pop()
+        events, self._tail = split_events(buffer)
         if len(self._tail) > MAX_PENDING_BYTES:
             raise SseProtocolError("upstream sent an event larger than 1 MiB")
         for event in events:
@@ -63,13 +79,9 @@ class SseScanner:
         return tail
 
     def _event(self, event: bytes) -> None:
-        if not event.startswith(b"data:"):
-            # comments (":" keep-alives), "event:"/"id:" fields or multi-line events
-            data = b"".join(line[5:] for line in event.splitlines() if line.startswith(b"data:"))
-            if not data:
-                return
-        else:
-            data = event[5:]
+        data = event_data(event)
+        if data is None:
+            return
         self.data_events += 1
         data = data.strip()
         if data == b"[DONE]":

@@ -27,8 +27,8 @@ from kvgate.types import RequestContext
 from kvgate.upstream.attempts import judge
 from kvgate.upstream.backoff import full_jitter_delay
 from kvgate.upstream.breaker import BreakerState, EjectionGroup, EndpointBreaker
-from kvgate.upstream.limits import resolve_limits
 from kvgate.upstream.observer import NullObserver
+from kvgate.upstream.request_timeouts import resolve_timeouts
 from kvgate.upstream.resume import StreamTranscript, continuation_body, resume_eligible
 from kvgate.upstream.retry_budget import RetryBudget
 from kvgate.upstream.throttle import AdaptiveThrottle
@@ -347,11 +347,11 @@ def test_tier_overrides_and_headers_only_shorten():
             (b"x-kvgate-first-token-timeout-ms", b"2000"),
         ],
     )
-    limits = resolve_limits(ctx, TIMEOUTS)
+    limits = resolve_timeouts(ctx, TIMEOUTS)
     assert limits.first_token == 2
     assert limits.deadline == pytest.approx(ctx.started + 50)
     assert limits.client_shortened
-    plain = resolve_limits(ctx_for(tier="bronze"), TIMEOUTS)
+    plain = resolve_timeouts(ctx_for(tier="bronze"), TIMEOUTS)
     assert (plain.first_token, plain.client_shortened) == (30, False)
     assert plain.deadline == pytest.approx(plain.deadline)
 
@@ -359,14 +359,14 @@ def test_tier_overrides_and_headers_only_shorten():
 def test_chain_deadline_wins_when_earlier():
     ctx = ctx_for()
     ctx.deadline = ctx.started + 3
-    limits = resolve_limits(ctx, TIMEOUTS)
+    limits = resolve_timeouts(ctx, TIMEOUTS)
     assert limits.deadline == ctx.deadline and limits.client_shortened
 
 
 @pytest.mark.parametrize("value", [b"", b"0", b"-5", b"1.5", b"abc", b"1234567890"])
 def test_malformed_timeout_header_is_a_client_error(value):
     with pytest.raises(InvalidRequest) as caught:
-        resolve_limits(ctx_for(headers=[(b"x-kvgate-timeout-ms", value)]), TIMEOUTS)
+        resolve_timeouts(ctx_for(headers=[(b"x-kvgate-timeout-ms", value)]), TIMEOUTS)
     assert caught.value.param == "x-kvgate-timeout-ms"
 
 

@@ -12,14 +12,9 @@ from collections import OrderedDict
 import pytest
 
 from kvgate.prompt_view import prompt_text
-from kvgate.routing.prefix_index import (
-    BYTES_PER_LEAF,
-    BYTES_PER_LEAF_BLOCK,
-    BYTES_PER_ROOT,
-    EndpointBlocks,
-    PrefixHasher,
-    PrefixIndex,
-)
+from kvgate.routing.prefix_hasher import PrefixHasher
+from kvgate.routing.prefix_index import BYTES_PER_ROOT, PrefixIndex
+from kvgate.routing.prefix_tree import BYTES_PER_LEAF, BYTES_PER_LEAF_BLOCK, EndpointBlocks
 
 HASHER = PrefixHasher(block_chars=8, max_blocks=4)
 
@@ -51,7 +46,7 @@ def test_hashes_are_stable_across_processes():
 
     text = "system prompt ü " * 40
     code = (
-        "from kvgate.routing.prefix_index import PrefixHasher;"
+        "from kvgate.routing.prefix_hasher import PrefixHasher;"
         f"print(PrefixHasher(8, 64).hashes({text!r}, 'm', 's'))"
     )
     out = subprocess.run(

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from kvgate.routing.prefix_index import PrefixHasher
+from kvgate.routing.prefix_hasher import PrefixHasher
 from kvgate.routing.shared_index import SharedPrefixIndex, decode_delta, encode_delta
 from kvgate.state.memory import MemoryStore
 from kvgate.state.redis_store import RedisStore, RedisStoreSettings

@@ -19,7 +19,7 @@ from kvgate.types import RequestContext
 
 
 @dataclass(frozen=True, slots=True)
-class RequestLimits:
+class RequestTimeouts:
     """Seconds, except `deadline`: an absolute `time.perf_counter()` value."""
 
     connect: float
@@ -32,7 +32,7 @@ class RequestLimits:
         return self.deadline - time.perf_counter()
 
 
-def resolve_limits(ctx: RequestContext, timeouts: TimeoutsConfig) -> RequestLimits:
+def resolve_timeouts(ctx: RequestContext, timeouts: TimeoutsConfig) -> RequestTimeouts:
     """The limits for `ctx` (its timeout headers were validated at ingress)."""
     tier = timeouts.tiers.get(ctx.tier) if ctx.tier else None
     connect, first_token = timeouts.connect, timeouts.first_token
@@ -52,4 +52,4 @@ def resolve_limits(ctx: RequestContext, timeouts: TimeoutsConfig) -> RequestLimi
     deadline = ctx.started + total
     if ctx.deadline is not None and ctx.deadline < deadline:
         deadline, shortened = ctx.deadline, True
-    return RequestLimits(connect, first_token, stall, deadline, shortened)
+    return RequestTimeouts(connect, first_token, stall, deadline, shortened)

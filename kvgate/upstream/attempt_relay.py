@@ -1,0 +1,328 @@
+"""One attempt: send the request to one endpoint and relay its answer to the client.
+
+Commit point: for streams, the response status and headers go to the client only when the first
+upstream data event arrives. Any failure before that is raised as a KvgateError (answerable,
+retriable); any failure after it is raised as `StreamBroken`, for the forwarder to resume the
+stream or end it with an error event (kvgate/upstream/forwarder.py). The upstream response is
+closed on every path (`_opened`), which is what aborts generation on the engine when the client
+goes away. Every attempt is reported to its endpoint's breaker exactly once (`AttemptRecord`)
+and counted by `endpoint.begin_attempt` / `endpoint.end_attempt`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from kvgate.asgi import Send, send_bytes
+from kvgate.errors import (
+    KvgateError,
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamUnavailable,
+    upstream_error_from_body,
+)
+from kvgate.request_options import ENDPOINT, REQUEST_ID
+from kvgate.routing.endpoints import Endpoint
+from kvgate.types import Headers, RequestContext
+from kvgate.upstream.attempts import judge
+from kvgate.upstream.failures import Phase, attempt_failure
+from kvgate.upstream.headers import upstream_headers
+from kvgate.upstream.request_timeouts import RequestTimeouts
+from kvgate.upstream.resilience import AttemptRecord, Resilience
+from kvgate.upstream.resume import StreamTranscript
+from kvgate.upstream.sse import SseProtocolError, SseScanner
+from kvgate.upstream.transport import TransportError, UpstreamResponse, UpstreamTransport
+
+_FIRST_EVENT_LIMIT = 1024 * 1024
+
+
+class StreamBroken(Exception):
+    """An attempt failed after the commit point: the client already has a 200 and events."""
+
+    def __init__(self, error: KvgateError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+class Throttled(Exception):
+    """The pool's client-side throttle rejected the attempt before it was sent."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Request:
+    url: str
+    headers: Headers
+    body: bytes
+    connect_timeout: float
+
+
+class AttemptRelay:
+    """Runs one attempt (`run`): raises the attempt's error, `StreamBroken` after the commit
+    point, or `Throttled` when the attempt was not sent at all."""
+
+    def __init__(
+        self, transport: UpstreamTransport, max_error_body_bytes: int, resilience: Resilience
+    ) -> None:
+        self.transport = transport
+        self.max_error_body_bytes = max_error_body_bytes
+        self.resilience = resilience
+
+    async def run(
+        self,
+        ctx: RequestContext,
+        endpoint: Endpoint,
+        body: bytes,
+        send: Send,
+        limits: RequestTimeouts,
+        transcript: StreamTranscript | None,
+    ) -> None:
+        record = self.resilience.begin(endpoint)
+        if record is None:
+            raise Throttled
+        request = _Request(
+            endpoint.url + ctx.upstream_path,
+            upstream_headers(ctx.client_headers, ctx.request_id, endpoint.auth_header),
+            body,
+            limits.connect,
+        )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limits.remaining()
+        first_token = limits.first_token
+        if record.probe:
+            first_token = min(first_token, self.resilience.settings.breaker.probe_timeout)
+        ctx.attempts += 1
+        endpoint.begin_attempt(ctx)
+        try:
+            if ctx.stream:
+                await self._relay_stream(
+                    ctx,
+                    endpoint,
+                    request,
+                    send,
+                    deadline,
+                    min(deadline, loop.time() + first_token),
+                    limits.stall,
+                    record,
+                    transcript,
+                )
+            else:
+                await self._relay_unary(ctx, request, send, deadline)
+            record.succeeded()
+        except StreamBroken as broken:
+            record.failed(judge(broken.error, limits.client_shortened))
+            raise
+        except KvgateError as error:
+            record.failed(judge(error, limits.client_shortened))
+            raise
+        finally:
+            record.abandoned()  # no-op unless the attempt ended without a verdict
+            endpoint.end_attempt(ctx)
+
+    @asynccontextmanager
+    async def _opened(
+        self, request: _Request, until: float, phase: Phase
+    ) -> AsyncIterator[UpstreamResponse]:
+        """The engine's response once its status and headers arrived (by `until`), closed
+        when the block ends, however it ends."""
+        try:
+            async with asyncio.timeout_at(until):
+                response = await self.transport.open(
+                    request.url, request.headers, request.body, request.connect_timeout
+                )
+        except (TimeoutError, TransportError) as failure:
+            raise attempt_failure(failure, phase) from None
+        try:
+            yield response
+        finally:
+            response.close()
+
+    async def _error_from(self, response: UpstreamResponse) -> KvgateError:
+        try:
+            body = await response.read(self.max_error_body_bytes)
+        except TransportError:
+            body = b""
+        return upstream_error_from_body(response.status, body, _retry_after(response))
+
+    async def _relay_unary(
+        self, ctx: RequestContext, request: _Request, send: Send, deadline: float
+    ) -> None:
+        async with self._opened(request, deadline, "total") as response:
+            if response.status >= 400:
+                raise await self._error_from(response)
+            try:
+                async with asyncio.timeout_at(deadline):
+                    body = await response.read()
+            except (TimeoutError, TransportError) as failure:
+                raise attempt_failure(failure, "total") from None
+            content_type = response.headers.get("content-type", "application/json")
+            if content_type.startswith("application/json") and not _looks_like_json(body):
+                raise UpstreamProtocolError(
+                    "the engine's answer is not a complete JSON object",
+                    code="upstream_malformed_body",
+                )
+            ctx.status = response.status
+            ctx.usage = _answer_usage(body)
+            ctx.responded = True
+            await send_bytes(
+                send, response.status, body, content_type.encode(), _response_headers(ctx)
+            )
+
+    async def _expect_stream(self, response: UpstreamResponse) -> None:
+        """Raise the engine's error unless `response` is a 200 event stream."""
+        if response.status != 200:
+            raise await self._error_from(response)
+        content_type = response.headers.get("content-type", "")
+        if not content_type.startswith("text/event-stream"):
+            error = await self._error_from(response)
+            raise UpstreamProtocolError(
+                f"the engine answered a stream request with '{content_type}': {error.message}",
+                code="upstream_not_a_stream",
+            )
+
+    async def _relay_stream(
+        self,
+        ctx: RequestContext,
+        endpoint: Endpoint,
+        request: _Request,
+        send: Send,
+        deadline: float,
+        first_token_until: float,
+        stall: float,
+        record: AttemptRecord,
+        transcript: StreamTranscript | None,
+    ) -> None:
+        async with self._opened(request, first_token_until, "first_token") as response:
+            await self._expect_stream(response)
+            loop = asyncio.get_running_loop()
+            scanner = SseScanner()
+            chunks: AsyncIterator[bytes] = response.iter_raw()
+            phase: Phase = "first_token"
+            error: KvgateError
+            try:
+                async with asyncio.timeout_at(first_token_until) as timer:
+                    pending: list[bytes] = []
+                    size = 0
+                    while scanner.data_events == 0:
+                        chunk = await anext(chunks)
+                        pending.append(scanner.feed(chunk))
+                        size += len(chunk)
+                        if size > _FIRST_EVENT_LIMIT:
+                            raise SseProtocolError("no event in the first MiB of the stream")
+                    if scanner.error is not None and not ctx.committed:
+                        raise _event_error(scanner.error)
+                    first = b"".join(pending)
+                    if transcript is not None:
+                        first = transcript.shape(first)
+                    endpoint.first_token(ctx)  # prefill done: the attempt now counts as decoding
+                    record.first_token()
+                    if ctx.committed:
+                        await _send_body(send, first)
+                    else:
+                        await _commit(ctx, send, first)
+                    phase = "stall"
+                    while not scanner.terminated:
+                        timer.reschedule(min(deadline, loop.time() + stall))
+                        out = scanner.feed(await anext(chunks))
+                        if transcript is not None and out:
+                            out = transcript.shape(out)
+                        await _send_body(send, out)
+                    # Relay anything the engine sends after [DONE] until it closes the stream.
+                    await _send_body(send, scanner.flush())
+                    async for chunk in chunks:
+                        await _send_body(send, chunk)
+            except TimeoutError as expired:
+                error = attempt_failure(expired, "total" if loop.time() >= deadline else phase)
+            except TransportError as failure:
+                error = attempt_failure(failure, phase)
+            except StopAsyncIteration:
+                error = UpstreamUnavailable(
+                    "the engine closed the stream without finishing it",
+                    code="upstream_stream_truncated",
+                )
+            except SseProtocolError as exc:
+                error = UpstreamProtocolError(str(exc), code="upstream_malformed_event")
+            else:
+                ctx.relayed_events += scanner.data_events
+                ctx.usage = scanner.usage
+                if transcript is not None and transcript.continuing:
+                    ctx.usage = transcript.usage
+                if scanner.error is not None:
+                    ctx.outcome = "upstream_error_event"
+                    record.failed(judge(_event_error(scanner.error)))
+                ctx.responded = True
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
+            ctx.relayed_events += scanner.data_events
+            if ctx.committed:
+                raise StreamBroken(error)
+            raise error
+
+
+async def _commit(ctx: RequestContext, send: Send, first: bytes) -> None:
+    headers = [
+        (b"content-type", b"text/event-stream"),
+        (b"cache-control", b"no-cache"),
+        (b"x-accel-buffering", b"no"),
+        *_response_headers(ctx),
+    ]
+    ctx.status = 200
+    ctx.committed = True
+    ctx.first_token_at = time.perf_counter()
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": first, "more_body": True})
+
+
+async def _send_body(send: Send, body: bytes) -> None:
+    if body:
+        await send({"type": "http.response.body", "body": body, "more_body": True})
+
+
+def _retry_after(response: UpstreamResponse) -> float | None:
+    value = response.headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return None
+
+
+def _looks_like_json(body: bytes) -> bool:
+    """Cheap completeness check of a JSON answer: one object, not cut short."""
+    stripped = body.strip()
+    return stripped[:1] == b"{" and stripped[-1:] == b"}"
+
+
+def _event_error(error: dict[str, object]) -> UpstreamError:
+    """An error the engine sent as a stream event, as the error it would have answered."""
+    code = error.get("code")
+    status = code if isinstance(code, int) and 400 <= code <= 599 else 502
+    return upstream_error_from_body(status, orjson.dumps({"error": error}))
+
+
+def _answer_usage(body: bytes) -> dict[str, Any] | None:
+    """The `usage` of a non-stream answer, for quota settlement (parsed only if present)."""
+    if b'"usage"' not in body:
+        return None
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    usage = parsed.get("usage") if isinstance(parsed, dict) else None
+    return usage if isinstance(usage, dict) else None
+
+
+def _response_headers(ctx: RequestContext) -> Headers:
+    assert ctx.endpoint is not None
+    return [
+        (REQUEST_ID, ctx.request_id.encode()),
+        (ENDPOINT, ctx.endpoint.name.encode()),
+        *ctx.response_headers,
+    ]

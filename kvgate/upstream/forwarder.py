@@ -1,0 +1,211 @@
+"""Forwarding one request to its engines: the `forward` stage's retry and resume policy.
+
+Attempt loop (see docs/resilience.md): the PickStage chose the first endpoint; when an attempt
+fails before the commit point with a retriable error (kvgate/upstream/attempts.py) the
+forwarder backs off (full jitter) and tries another endpoint from `picker.choose(ctx,
+exclude=tried)`, at most `max_attempts` in all, within the request's deadline, while the
+pool's retry budget and client-side throttle allow. Each attempt is one `AttemptRelay.run`
+(kvgate/upstream/attempt_relay.py), which owns the commit point.
+
+A failure after the commit point ends the stream with an OpenAI-shaped error event, never with
+silence or a fake `[DONE]` — unless the pool opted in to `resume`, in which case the answer
+continues on another endpoint in the same stream (kvgate/upstream/resume.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvgate.asgi import Send
+from kvgate.config import TimeoutsConfig
+from kvgate.errors import KvgateError, Overloaded, UpstreamFailed
+from kvgate.routing.endpoints import Endpoint
+from kvgate.routing.router import EndpointPicker
+from kvgate.types import RequestContext
+from kvgate.upstream.attempt_relay import AttemptRelay, StreamBroken, Throttled
+from kvgate.upstream.attempts import judge
+from kvgate.upstream.backoff import full_jitter_delay
+from kvgate.upstream.request_timeouts import RequestTimeouts, resolve_timeouts
+from kvgate.upstream.resilience import Resilience
+from kvgate.upstream.resume import StreamTranscript, continuation_body, resume_eligible
+from kvgate.upstream.retry_budget import RetryBudget
+from kvgate.upstream.transport import UpstreamTransport
+
+_DONE = b"data: [DONE]\n\n"
+
+
+class Forwarder:
+    """Sends `ctx` to `ctx.endpoint` (and, on retriable failures, to others chosen by
+    `picker`) and relays the answer to the client through `send`."""
+
+    def __init__(
+        self,
+        transport: UpstreamTransport,
+        timeouts: TimeoutsConfig,
+        max_error_body_bytes: int,
+        resilience: Resilience,
+        picker: EndpointPicker | None = None,
+    ) -> None:
+        self.timeouts = timeouts
+        self.resilience = resilience
+        self.picker = picker
+        self.relay = AttemptRelay(transport, max_error_body_bytes, resilience)
+
+    async def __call__(self, ctx: RequestContext, send: Send) -> None:
+        assert ctx.endpoint is not None
+        limits = resolve_timeouts(ctx, self.timeouts)
+        budget = self.resilience.budgets[ctx.endpoint.pool]
+        budget.request_started()
+        try:
+            await self._forward(ctx, send, limits, budget)
+        finally:
+            budget.request_finished()
+
+    async def _forward(
+        self, ctx: RequestContext, send: Send, limits: RequestTimeouts, budget: RetryBudget
+    ) -> None:
+        endpoint = ctx.endpoint
+        assert endpoint is not None
+        pool = endpoint.pool
+        transcript = (
+            StreamTranscript(ctx)
+            if pool in self.resilience.resume_pools and resume_eligible(ctx)
+            else None
+        )
+        tried: list[Endpoint] = []
+        last_error: KvgateError | None = None
+        holding_retry = False
+        try:
+            while True:
+                try:
+                    await self.relay.run(ctx, endpoint, ctx.body, send, limits, transcript)
+                    return
+                except StreamBroken as broken:
+                    tried.append(endpoint)
+                    await self._after_break(ctx, send, limits, transcript, tried, broken.error)
+                    return
+                except Throttled:
+                    if last_error is None:
+                        throttle = self.resilience.settings.throttle
+                        raise Overloaded(
+                            "the engines of this pool are failing; kvgate is shedding load "
+                            "so they can recover",
+                            code="upstream_throttled",
+                            retry_after=throttle.retry_after,
+                        ) from None
+                    self.resilience.observer.retry_denied(pool, "throttle")
+                    raise self._final(last_error) from None
+                except KvgateError as error:
+                    tried.append(endpoint)
+                    last_error = error
+                    if holding_retry:
+                        budget.release()
+                        holding_retry = False
+                    endpoint = await self._next_endpoint(ctx, error, limits, budget, tried)
+                    holding_retry = True
+                    ctx.endpoint = endpoint
+        finally:
+            if holding_retry:
+                budget.release()
+
+    async def _next_endpoint(
+        self,
+        ctx: RequestContext,
+        error: KvgateError,
+        limits: RequestTimeouts,
+        budget: RetryBudget,
+        tried: list[Endpoint],
+    ) -> Endpoint:
+        """The endpoint for the next attempt, after the back-off (holding a retry from the
+        budget); raises `error` when the policy says to stop."""
+        verdict = judge(error, limits.client_shortened)
+        if not verdict.retriable or ctx.client_gone:
+            raise self._final(error)
+        pool = tried[0].pool
+        settings = self.resilience.settings.retries
+        observer = self.resilience.observer
+
+        def stop(reason: str) -> KvgateError:
+            observer.retry_denied(pool, reason)
+            return self._final(error)
+
+        retry = len(tried)
+        if self.picker is None or retry >= settings.max_attempts:
+            raise stop("attempts")
+        delay = full_jitter_delay(retry, settings.backoff_base, settings.backoff_cap)
+        remaining = limits.remaining()
+        if remaining <= delay or (error.retry_after or 0) > remaining:
+            raise stop("deadline")
+        if not budget.try_acquire():
+            raise stop("budget")
+        try:
+            endpoint = self.picker.choose(ctx, exclude=tried)
+            observer.retry(pool, str(error.code))
+            await asyncio.sleep(delay)
+        except KvgateError:
+            budget.release()
+            raise stop("no_endpoint") from None
+        except BaseException:
+            budget.release()
+            raise
+        return endpoint
+
+    def _final(self, error: KvgateError) -> KvgateError:
+        """The error the client gets: an engine failure tells it when to come back."""
+        if (
+            isinstance(error, UpstreamFailed)
+            and error.retry_after is None
+            and error.status in (502, 503, 504)
+        ):
+            error.retry_after = self.resilience.settings.throttle.retry_after
+        return error
+
+    async def _after_break(
+        self,
+        ctx: RequestContext,
+        send: Send,
+        limits: RequestTimeouts,
+        transcript: StreamTranscript | None,
+        tried: list[Endpoint],
+        error: KvgateError,
+    ) -> None:
+        """The stream broke after the commit point: resume it if allowed, else end it with an
+        error event."""
+        observer = self.resilience.observer
+        pool = tried[0].pool
+        while transcript is not None and ctx.resumes < self.resilience.settings.max_resumes:
+            if transcript.finished:  # every token arrived; only the end of stream was lost
+                ctx.responded = True
+                await send({"type": "http.response.body", "body": _DONE, "more_body": False})
+                return
+            body = continuation_body(ctx, transcript)
+            if body is None or self.picker is None:
+                break
+            try:
+                endpoint = self.picker.choose(ctx, exclude=tried)
+            except KvgateError:
+                break
+            ctx.resumes += 1
+            transcript.begin_continuation()
+            tried.append(endpoint)
+            ctx.endpoint = endpoint
+            try:
+                await self.relay.run(ctx, endpoint, body, send, limits, transcript)
+            except StreamBroken as broken:
+                error = broken.error
+                continue
+            except Throttled:
+                break
+            except KvgateError as failure:
+                error = failure
+                continue
+            ctx.resume_overhead_tokens = transcript.overhead_tokens
+            if transcript.usage is not None:
+                ctx.usage = transcript.usage
+            observer.resumed(pool, "ok", transcript.overhead_tokens)
+            return
+        if ctx.resumes:
+            observer.resumed(pool, "failed", transcript.overhead_tokens if transcript else 0)
+        ctx.outcome = str(error.code)
+        ctx.responded = True
+        await send({"type": "http.response.body", "body": error.to_sse(), "more_body": False})
