@@ -4,6 +4,7 @@ import argparse
 import asyncio
 import signal
 
+from .engine_server import HOST
 from .faults import FAULT_MODES, Fault
 from .fleet import SimFleet
 from .options import DEFAULT_KV_BLOCKS, DEFAULT_MODEL, PROFILES, EngineOptions
@@ -13,6 +14,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the `sim` command's options on `parser`; its --help shows every default."""
     parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     parser.add_argument("--engines", type=int, default=1, help="number of engines")
+    parser.add_argument(
+        "--host",
+        default=HOST,
+        help="listen address of every engine (0.0.0.0: reachable from other machines and "
+        "containers)",
+    )
     parser.add_argument(
         "--base-port",
         type=int,
@@ -84,16 +91,16 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"kvgate sim: {error}")
         return 2
-    return asyncio.run(_serve(args.engines, args.base_port, options))
+    return asyncio.run(_serve(args.engines, args.base_port, args.host, options))
 
 
-async def _serve(engines: int, base_port: int, options: EngineOptions) -> int:
+async def _serve(engines: int, base_port: int, host: str, options: EngineOptions) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     try:
-        async with SimFleet(engines, base_port, options) as fleet:
+        async with SimFleet(engines, base_port, options, host) as fleet:
             for engine in fleet.engines:
                 print(
                     f"engine {engine.index} {options.flavor} {options.models[0]} {engine.url}",
