@@ -129,3 +129,15 @@ def test_every_copied_path_exists_and_is_in_the_build_context(instructions: list
     for source in sources:
         assert (ROOT / source).exists(), f"COPY {source}: no such path in the repository"
         assert not _dockerignored(source), f"COPY {source}: excluded by .dockerignore"
+
+
+def test_install_check_copies_what_the_dockerfile_copies(instructions: list[Instruction]):
+    copied = {
+        word
+        for ins in instructions
+        if ins.keyword == "COPY" and "--from=" not in ins.args
+        for word in ins.args.split()[:-1]
+    }
+    script = (ROOT / "scripts" / "install-check.sh").read_text()
+    (line,) = [ln for ln in script.splitlines() if ln.startswith("cp -R ")]
+    assert set(line.split()[2:-1]) == copied
