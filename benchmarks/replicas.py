@@ -1,7 +1,7 @@
 """Gateway replicas sharing state through Redis against one gateway: 1, 2 and 4 `kvgate serve`
 processes on the routing workloads, side by side in one run.
 
-    .venv/bin/python benchmarks/replicas.py                  # everything, appends to RESULTS.md
+    .venv/bin/python benchmarks/replicas.py                  # everything, logged in history/
     .venv/bin/python benchmarks/replicas.py --replicas 1,4 --workloads shared --rate 12 \\
         --requests 64 --no-results
 
@@ -486,7 +486,12 @@ def parse_args() -> argparse.Namespace:
         default="round_robin",
         help="how requests are spread over the replicas",
     )
-    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake trace (JSONL)")
+    p.add_argument(
+        "--trace",
+        type=Path,
+        default=DEFAULT_TRACE,
+        help="Mooncake synthetic trace (JSONL), the public file from the Mooncake project",
+    )
     p.add_argument("--engines", type=int, default=4)
     p.add_argument("--kv-blocks", type=int, default=700, help="per engine, 16 tokens each")
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -503,7 +508,7 @@ def parse_args() -> argparse.Namespace:
         default=160,
         help="mooncake: text per hash_id (512 tokens scaled to ~32)",
     )
-    p.add_argument("--no-results", action="store_true", help="do not append to RESULTS.md")
+    p.add_argument("--no-results", action="store_true", help="do not append to benchmarks/history/")
     args = p.parse_args()
     args.per_group = max(1, args.requests // args.groups)  # what routing.shared_prefix reads
     return args

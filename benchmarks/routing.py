@@ -1,7 +1,7 @@
 """Routing quality and decision cost: kvgate's default policy against random, round-robin and
 least-loaded, on fresh simulated fleets, side by side in one run.
 
-    .venv/bin/python benchmarks/routing.py                  # everything, writes RESULTS section
+    .venv/bin/python benchmarks/routing.py                  # everything, logged in history/
     .venv/bin/python benchmarks/routing.py --micro          # decision-cost microbenchmark only
     .venv/bin/python benchmarks/routing.py --workloads shared --rates 4,12 \\
         --policies kvgate,round_robin
@@ -13,10 +13,11 @@ each request's intended send time), then read the engines' counters. Workloads:
   sessions multi-turn chats whose context grows turn by turn (`--requests` / `--turns`
            sessions, each with its own system prompt, a turn every `--turn-gap` seconds, as an
            agent loop does; the `user` field names the session)
-  mooncake the Mooncake synthetic trace (`--trace`, default ../shared/data/mooncake/, from
-           github.com/kvcache-ai/Mooncake, see that folder's SOURCES.md): each hash_id becomes
-           a fixed block of synthetic text (`--block-chars`), so shared ids are shared text;
-           lengths scaled down (a 512-token hash block becomes ~17 tokens)
+  mooncake the Mooncake synthetic trace (`--trace`: `synthetic_trace.jsonl`, the public file
+           from the Mooncake project, github.com/kvcache-ai/Mooncake; the default is where the
+           benchmark machine keeps a copy, and the workload is skipped when it is absent):
+           each hash_id becomes a fixed block of synthetic text (`--block-chars`), so shared
+           ids are shared text; lengths scaled down (a 512-token hash block becomes ~17 tokens)
 The defaults size every workload so that its reusable working set exceeds one engine's KV
 cache and fits the fleet's (printed with the results). The ideal hit rate is what one engine
 with an infinite cache would reuse (prefix blocks seen before, in arrival order). Simulator lag
@@ -761,7 +762,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--turns", type=int, default=12)
     p.add_argument("--turn-gap", type=float, default=0.4, help="seconds between a session's turns")
     p.add_argument("--session-system-tokens", type=int, default=512)
-    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    p.add_argument(
+        "--trace",
+        type=Path,
+        default=DEFAULT_TRACE,
+        help="Mooncake synthetic trace (JSONL), the public file from the Mooncake project",
+    )
     p.add_argument(
         "--trace-offset",
         type=int,
@@ -777,7 +783,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--micro", action="store_true", help="decision-cost microbenchmark only")
     p.add_argument("--no-micro", action="store_true", help="skip the decision-cost microbenchmark")
     p.add_argument("--out", type=Path, default=BENCH_DIR / "routing")
-    p.add_argument("--no-results", action="store_true", help="do not append to RESULTS.md")
+    p.add_argument("--no-results", action="store_true", help="do not append to benchmarks/history/")
     p.add_argument(
         "--by-engine",
         action="store_true",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import socket
 import subprocess
 import sys
@@ -16,8 +17,12 @@ READY_TIMEOUT = 15.0
 
 
 def append_results(section: str) -> None:
-    """Add a results section to benchmarks/RESULTS.md."""
-    with (BENCH_DIR / "RESULTS.md").open("a") as results:
+    """Append a run's results section to this month's log, benchmarks/history/YYYY-MM.md.
+    benchmarks/RESULTS.md holds the current figures per benchmark and is edited by hand."""
+    history = BENCH_DIR / "history"
+    history.mkdir(exist_ok=True)
+    log = history / f"{datetime.datetime.now(datetime.UTC):%Y-%m}.md"
+    with log.open("a") as results:
         results.write("\n" + section + "\n")
 
 

@@ -222,6 +222,38 @@ def _cmd_sim(args: argparse.Namespace) -> int:
     return sim_cli.run(args)
 
 
+# Loopback by default: a gateway without an `auth:` section is open, and binding every interface
+# must be a choice (the container image makes it, with KVGATE_HOST=0.0.0.0).
+DEFAULT_HOST = "127.0.0.1"
+_BIND_NOTE = (
+    f"Listens on {DEFAULT_HOST} unless told otherwise, so a gateway without auth is not "
+    "reachable from other machines by accident; use --host 0.0.0.0 (or KVGATE_HOST) to serve "
+    "the network."
+)
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _log_level(value: str) -> str:
+    level = value.lower()
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(
+            f"invalid log level '{value}' (one of: {', '.join(LOG_LEVELS)})"
+        )
+    return level
+
+
+def _add_log_level(parser: argparse.ArgumentParser) -> None:
+    # A `type`, not `choices`: argparse checks a default taken from the environment only
+    # through its type.
+    parser.add_argument(
+        "--log-level",
+        type=_log_level,
+        default=os.environ.get("KVGATE_LOG_LEVEL") or "info",
+        metavar="{" + ",".join(LOG_LEVELS) + "}",
+        help="log level (default: $KVGATE_LOG_LEVEL, else info)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvgate",
@@ -230,25 +262,58 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvgate {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    serve = commands.add_parser("serve", help="run the gateway from a config file")
-    serve.add_argument("--config", required=True, type=Path, help="YAML config file")
-    serve.add_argument("--host", help="listen address (default: server.host from config)")
-    serve.add_argument("--port", type=int, help="listen port (default: server.port from config)")
+    serve = commands.add_parser(
+        "serve",
+        help="run the gateway from a config file",
+        description=f"Run the gateway from a config file. {_BIND_NOTE}",
+    )
+    config_from_env = os.environ.get("KVGATE_CONFIG") or None
+    serve.add_argument(
+        "--config",
+        type=Path,
+        default=config_from_env,
+        required=config_from_env is None,
+        help="YAML config file (default: $KVGATE_CONFIG)",
+    )
+    serve.add_argument(
+        "--host",
+        default=os.environ.get("KVGATE_HOST") or None,
+        help=f"listen address (default: $KVGATE_HOST, else server.host from config, "
+        f"else {DEFAULT_HOST})",
+    )
+    serve.add_argument(
+        "--port",
+        type=int,
+        default=os.environ.get("KVGATE_PORT") or None,
+        help="listen port (default: $KVGATE_PORT, else server.port from config)",
+    )
     serve.add_argument(
         "--workers",
         type=int,
         default=1,
         help="worker processes, each a full replica (needs state.backend redis)",
     )
-    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _add_log_level(serve)
     serve.set_defaults(func=_cmd_serve)
 
     demo = commands.add_parser(
-        "demo", help="run the gateway over an embedded simulated fleet, in-memory state"
+        "demo",
+        help="run the gateway over an embedded simulated fleet, in-memory state",
+        description="Run the gateway over two embedded simulated vLLM engines, in-memory "
+        f"state, no auth. {_BIND_NOTE}",
     )
-    demo.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
-    demo.add_argument("--port", type=int, default=8080, help="listen port (default 8080)")
-    demo.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    demo.add_argument(
+        "--host",
+        default=os.environ.get("KVGATE_HOST") or DEFAULT_HOST,
+        help=f"listen address (default: $KVGATE_HOST, else {DEFAULT_HOST})",
+    )
+    demo.add_argument(
+        "--port",
+        type=int,
+        default=os.environ.get("KVGATE_PORT") or "8080",
+        help="listen port (default: $KVGATE_PORT, else 8080)",
+    )
+    _add_log_level(demo)
     demo.set_defaults(func=_cmd_demo)
 
     keys = commands.add_parser("keys", help="manage API keys")

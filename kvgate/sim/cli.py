@@ -4,21 +4,34 @@ import argparse
 import asyncio
 import signal
 
+from .engine_server import HOST
 from .faults import FAULT_MODES, Fault
 from .fleet import SimFleet
 from .options import DEFAULT_KV_BLOCKS, DEFAULT_MODEL, PROFILES, EngineOptions
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Declare the `sim` command's options on `parser`."""
+    """Declare the `sim` command's options on `parser`; its --help shows every default."""
+    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     parser.add_argument("--engines", type=int, default=1, help="number of engines")
+    parser.add_argument(
+        "--host",
+        default=HOST,
+        help="listen address of every engine (0.0.0.0: reachable from other machines and "
+        "containers)",
+    )
     parser.add_argument(
         "--base-port",
         type=int,
         default=9100,
         help="engine i listens on base-port + i (0: ephemeral ports)",
     )
-    parser.add_argument("--flavor", choices=("vllm", "sglang"), default="vllm")
+    parser.add_argument(
+        "--flavor",
+        choices=("vllm", "sglang"),
+        default="vllm",
+        help="engine whose API, metric names and load endpoints to imitate",
+    )
     parser.add_argument(
         "--model",
         nargs="+",
@@ -27,7 +40,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="served model names",
     )
-    parser.add_argument("--profile", choices=tuple(PROFILES), default="realistic")
+    parser.add_argument(
+        "--profile",
+        choices=tuple(PROFILES),
+        default="realistic",
+        help="timing model: realistic (an 8B model on one H100) or fast (answers at once)",
+    )
     parser.add_argument("--speed", type=float, default=1.0, help="divide all times by X")
     parser.add_argument(
         "--kv-blocks",
@@ -35,14 +53,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_KV_BLOCKS,
         help="KV cache blocks of 16 tokens per engine",
     )
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt plus output in tokens (None: 32768 or what the KV cache holds, "
+        "if less)",
+    )
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=256, help="sequences batched at once per engine"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the generated text and of fault draws"
+    )
     parser.add_argument(
         "--fault",
         choices=FAULT_MODES,
         default=None,
-        help="start every engine with this fault (default parameters)",
+        help="start every engine with this fault, with the mode's default parameters",
     )
 
 
@@ -63,16 +91,16 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"kvgate sim: {error}")
         return 2
-    return asyncio.run(_serve(args.engines, args.base_port, options))
+    return asyncio.run(_serve(args.engines, args.base_port, args.host, options))
 
 
-async def _serve(engines: int, base_port: int, options: EngineOptions) -> int:
+async def _serve(engines: int, base_port: int, host: str, options: EngineOptions) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     try:
-        async with SimFleet(engines, base_port, options) as fleet:
+        async with SimFleet(engines, base_port, options, host) as fleet:
             for engine in fleet.engines:
                 print(
                     f"engine {engine.index} {options.flavor} {options.models[0]} {engine.url}",

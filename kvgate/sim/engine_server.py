@@ -1,4 +1,5 @@
-"""One simulated engine served by uvicorn on 127.0.0.1, with a listener that can be shut.
+"""One simulated engine served by uvicorn (on 127.0.0.1 unless told otherwise), with a
+listener that can be shut.
 
 `SimEngine` is the per-engine handle: `url`, `port`, `stats()`, `set_fault()` and
 `clear_fault()`. Fault changes may be made from any thread; they take effect before the call
@@ -26,11 +27,11 @@ HOST = "127.0.0.1"
 _Result = TypeVar("_Result")
 
 
-def _listening_socket(port: int) -> socket.socket:
+def _listening_socket(host: str, port: int) -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((HOST, port))
+        sock.bind((host, port))
         sock.listen(2048)
     except OSError:
         sock.close()
@@ -40,11 +41,13 @@ def _listening_socket(port: int) -> socket.socket:
 
 
 class SimEngine:
-    """A simulated engine: start with `await start()`, stop with `await stop()`."""
+    """A simulated engine: start with `await start()`, stop with `await stop()`. It listens
+    on the IPv4 address `host` (0.0.0.0: every interface, e.g. to serve other containers)."""
 
-    def __init__(self, index: int, options: EngineOptions, port: int = 0) -> None:
+    def __init__(self, index: int, options: EngineOptions, port: int = 0, host: str = HOST) -> None:
         self.index = index
         self.options = options
+        self.host = host
         self.port = port
         self.counters = EngineCounters()
         self._faults = FaultInjector(seed=options.seed * 1_000_003 + index)
@@ -57,7 +60,7 @@ class SimEngine:
     @property
     def url(self) -> str:
         """Base URL, e.g. `http://127.0.0.1:40123` (the port is known once started)."""
-        return f"http://{HOST}:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def core(self) -> EngineCore:
@@ -88,7 +91,7 @@ class SimEngine:
         config.load()
         server = uvicorn.Server(config)
         server.lifespan = config.lifespan_class(config)
-        sock = _listening_socket(self.port)
+        sock = _listening_socket(self.host, self.port)
         self.port = sock.getsockname()[1]
         await server.startup(sockets=[sock])
         self._server = server
@@ -183,7 +186,7 @@ class SimEngine:
 
     def _start_listening(self) -> None:
         assert self._server is not None and self._loop is not None
-        sock = _listening_socket(self.port)
+        sock = _listening_socket(self.host, self.port)
         server = self._server
         protocol_factory = functools.partial(
             server.config.http_protocol_class,

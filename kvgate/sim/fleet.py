@@ -1,4 +1,5 @@
-"""A fleet of simulated engines on consecutive (or ephemeral) ports of 127.0.0.1.
+"""A fleet of simulated engines on consecutive (or ephemeral) ports of one address
+(127.0.0.1 unless told otherwise).
 
     async with SimFleet(engines=2, options=EngineOptions()) as fleet:
         fleet.urls
@@ -15,7 +16,7 @@ import threading
 from collections.abc import Callable, Iterator
 from types import TracebackType
 
-from .engine_server import SimEngine
+from .engine_server import HOST, SimEngine
 from .options import EngineOptions
 
 
@@ -28,17 +29,21 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
 
 
 class SimFleet:
-    """`engines` engines sharing `options`; engine i listens on `base_port + i`
+    """`engines` engines sharing `options`; engine i listens on `host`:`base_port + i`
     (every engine on its own ephemeral port when `base_port` is 0)."""
 
     def __init__(
-        self, engines: int = 1, base_port: int = 0, options: EngineOptions | None = None
+        self,
+        engines: int = 1,
+        base_port: int = 0,
+        options: EngineOptions | None = None,
+        host: str = HOST,
     ) -> None:
         if engines < 1:
             raise ValueError("a fleet needs at least one engine")
         self.options = options if options is not None else EngineOptions()
         self.engines = [
-            SimEngine(index, self.options, base_port + index if base_port else 0)
+            SimEngine(index, self.options, base_port + index if base_port else 0, host)
             for index in range(engines)
         ]
 

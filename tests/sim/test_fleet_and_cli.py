@@ -53,6 +53,21 @@ async def test_fleet_uses_consecutive_ports_and_runs_in_a_live_loop():
     assert _is_free(base)
 
 
+async def test_fleet_listens_on_the_address_it_is_given():
+    # 127.0.0.2 is loopback too on Linux, yet a different address from 127.0.0.1.
+    options = EngineOptions(profile="fast")
+    async with SimFleet(1, options=options, host="127.0.0.2") as fleet:
+        port = fleet.engines[0].port
+        assert fleet.urls == [f"http://127.0.0.2:{port}"]
+        async with httpx.AsyncClient(timeout=5) as client:
+            assert (await client.get(f"{fleet.urls[0]}/health")).status_code == 200
+            try:
+                await client.get(f"http://127.0.0.1:{port}/health")
+                raise AssertionError("the engine answered on an address it was not given")
+            except httpx.ConnectError:
+                pass
+
+
 def test_in_thread_fleet_serves_blocking_clients_and_clears_faults():
     with SimFleet.in_thread(engines=2, options=EngineOptions(profile="fast")) as fleet:
         assert len(set(fleet.urls)) == 2
