@@ -44,7 +44,9 @@ class _Strict(BaseModel):
 
 
 class ServerConfig(_Strict):
-    host: str = "0.0.0.0"
+    # Loopback by default: a gateway without `auth:` is open, so serving the network is a
+    # choice (`--host 0.0.0.0`, KVGATE_HOST; the container image sets it).
+    host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
     max_body_bytes: int = Field(10 * 1024 * 1024, gt=0)
     access_log: bool = True

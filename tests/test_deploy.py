@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from kvgate.config import load_config
+from kvgate.routing.policy_catalog import load_policies
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -167,7 +168,8 @@ def test_configmap_config_and_policies_load(tmp_path: Path, monkeypatch: pytest.
     config = load_config(tmp_path / "gateway.yaml")
     assert config.state.backend == "redis"
     assert config.auth is not None and config.auth.tenants
-    assert any(config.routing_policy(pool.name) is not None for pool in config.pools)
+    policies = load_policies(config)
+    assert {p.name for p in policies.values()} - {"kvgate"}  # the mounted policy file loads
 
 
 def test_gateway_deployment_probes_drain_and_runs_unprivileged():

@@ -1,7 +1,7 @@
 """Live engine telemetry: scrape `/metrics` of vLLM and SGLang engines and keep a small view.
 
 Parsing reads Prometheus text exposition line by line and keeps only the few families routing
-needs, under every name vLLM and SGLang have used for them (see `../shared/BACKENDS.md`):
+needs, under every name vLLM and SGLang have used for them (docs/routing.md lists them):
 counters with or without `_total`; with data parallelism one series per `engine` (or rank)
 label, which are summed (KV use is averaged: it is a fraction). Block size and pool size come
 from `cache_config_info` labels.
