@@ -23,11 +23,12 @@ $(VENV)/.dev-installed: pyproject.toml constraints.txt | $(BIN)/python
 demo: $(VENV)/.runtime-installed
 	$(BIN)/kvgate demo --port $(PORT)
 
-# Lint, format and type checks, the test suite, then the container image's install steps in
+# Lint, format and type checks (mypy over kvgate/), the test suite, then the container image's install steps in
 # a fresh virtualenv (scripts/install-check.sh: no container engine needed).
 test: $(VENV)/.dev-installed
 	$(BIN)/ruff check kvgate tests benchmarks
 	$(BIN)/ruff format --check kvgate tests benchmarks
+	$(BIN)/mypy
 	$(BIN)/python -m pytest
 	scripts/install-check.sh
 

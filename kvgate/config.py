@@ -254,7 +254,8 @@ def _model_at(loc: tuple[str | int, ...]) -> type[BaseModel] | None:
     for part in loc[:-1]:
         if isinstance(part, int):
             continue
-        field = model.model_fields.get(part) if isinstance(model, type) else None
+        fields = getattr(model, "model_fields", None) if isinstance(model, type) else None
+        field = fields.get(part) if fields is not None else None
         if field is None:
             return None
         annotation = field.annotation

@@ -92,7 +92,7 @@ class Classifier:
 
     def __init__(self, config: ClassificationConfig) -> None:
         self.rules = tuple(_compile(r) for r in config.rules)
-        self.classes: dict[str, ClassConfig] = {**DEFAULT_CLASSES, **config.classes}
+        self.classes: dict[LatencyClass, ClassConfig] = {**DEFAULT_CLASSES, **config.classes}
         self.default_max_tokens = config.default_max_tokens
 
     def requested_output_tokens(self, ctx: RequestContext) -> int:

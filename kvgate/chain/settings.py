@@ -116,7 +116,7 @@ class ClassConfig(_Strict):
     max_queue_wait: float | None = Field(None, gt=0)
 
 
-DEFAULT_CLASSES: dict[str, ClassConfig] = {
+DEFAULT_CLASSES: dict[LatencyClass, ClassConfig] = {
     "interactive": ClassConfig(deadline=120, max_queue_wait=10),
     "standard": ClassConfig(deadline=600, max_queue_wait=60),
     "batch": ClassConfig(deadline=3600),

@@ -18,8 +18,9 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from functools import partial
 from itertools import compress, repeat
+from typing import cast
 
-from kvgate.routing.prefix_tree import MISSING, EndpointBlocks, common_prefix, is_leaf
+from kvgate.routing.prefix_tree import MISSING, EndpointBlocks, Leaf, common_prefix, is_leaf
 
 # Measured with tracemalloc (benchmarks/routing.py --micro): a listed first block is an
 # ordered-map node, its key and the small dict of its endpoints.
@@ -115,7 +116,7 @@ class PrefixIndex:
         leaves = list(map(is_leaf, map(type, starts)))
         if any(leaves):  # the prompt's first block starts a leaf there: compare the chains
             for name, leaf in compress(zip(holders, starts, strict=True), leaves):
-                depths[name] = common_prefix(leaf.hashes, hashes, 0)
+                depths[name] = common_prefix(cast(Leaf, leaf).hashes, hashes, 0)
             inner = list(map(operator.not_, leaves))
             holders, tables = list(compress(holders, inner)), list(compress(tables, inner))
             if not holders:

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Sequence
 from functools import partial
 from heapq import heapify, heappop, heappush, heapreplace
 from itertools import repeat
+from typing import cast
 
 from kvgate.routing.prefix_hasher import PromptChain, hashed, shared_blocks
 
@@ -53,7 +54,7 @@ def _leaf_chain(hashes: Sequence[int]) -> array[int] | PromptChain:
     return array("Q", hashed(hashes))
 
 
-class _Leaf(float):
+class Leaf(float):
     """The blocks of one chain from its first unshared block on, as one entry: the time they
     were last touched (the float value, so the entry compares like any other) and their hashes
     in an array (`hashes[0]` is the entry's key): 8 bytes a block, and nothing for the garbage
@@ -62,13 +63,13 @@ class _Leaf(float):
     __slots__ = ("hashes",)
     hashes: array[int] | PromptChain
 
-    def __new__(cls, touched: float, hashes: array[int] | PromptChain) -> _Leaf:
+    def __new__(cls, touched: float, hashes: array[int] | PromptChain) -> Leaf:
         leaf = super().__new__(cls, touched)
         leaf.hashes = hashes
         return leaf
 
 
-is_leaf = partial(operator.is_, _Leaf)
+is_leaf = partial(operator.is_, Leaf)
 
 
 class EndpointBlocks:
@@ -78,7 +79,7 @@ class EndpointBlocks:
 
     A prefix tree in an `OrderedDict`: a block that two recorded chains share is an entry of
     its own (an inner node), and the rest of a chain, from its first block nobody else has, is
-    one entry, a `_Leaf`, keyed by that block. A prompt nobody shares costs one entry, not one
+    one entry, a `Leaf`, keyed by that block. A prompt nobody shares costs one entry, not one
     per block; a leaf splits when a later chain turns or stops inside it (the shared blocks become
     single entries; the untouched rest keeps its time and, through a heap of displaced
     leaves, its place in the eviction order) and grows when a chain goes on from its end (the
@@ -100,11 +101,11 @@ class EndpointBlocks:
         self.capacity = max(1, capacity)
         self.ttl = ttl
         self.evictions = 0
-        self._entries: OrderedDict[int, float] = OrderedDict()  # or a _Leaf for several blocks
+        self._entries: OrderedDict[int, float] = OrderedDict()  # or a Leaf for several blocks
         self._leaves = 0
         self._in_leaves = 0  # blocks in leaves, their keys included
         self._unhashed = 0  # of those, blocks in leaves that keep a prompt's bytes
-        self._displaced: list[tuple[float, int, _Leaf]] = []  # a heap: leaves out of order
+        self._displaced: list[tuple[float, int, Leaf]] = []  # a heap: leaves out of order
         self._sweep_at = math.inf  # no entry expires before this time
 
     def __len__(self) -> int:
@@ -145,7 +146,7 @@ class EndpointBlocks:
         inner = held  # hashes[:inner] become (or stay) single entries, hashes[inner:] a leaf
         if held:
             leaf = entries[hashes[held - 1]]
-            if type(leaf) is _Leaf:
+            if type(leaf) is Leaf:
                 start = held - 1
                 self._drop(hashes[start])
                 shared = common_prefix(leaf.hashes, hashes, start)
@@ -171,10 +172,10 @@ class EndpointBlocks:
     def _add_leaf(self, hashes: Sequence[int], touched: float) -> None:
         chain = _leaf_chain(hashes)
         self._drop(chain[0])
-        leaf = self._entries[chain[0]] = _Leaf(touched, chain)
+        leaf = self._entries[chain[0]] = Leaf(touched, chain)
         self._count(leaf, 1)
 
-    def _count(self, leaf: _Leaf, sign: int) -> None:
+    def _count(self, leaf: Leaf, sign: int) -> None:
         """A leaf comes in (sign 1) or goes (-1)."""
         blocks = sign * len(leaf.hashes)
         self._leaves += sign
@@ -189,7 +190,7 @@ class EndpointBlocks:
         rebuilt when the stale ones outnumber the leaves."""
         self._add_leaf(hashes, touched)
         displaced = self._displaced
-        heappush(displaced, (touched, hashes[0], self._entries[hashes[0]]))
+        heappush(displaced, (touched, hashes[0], cast(Leaf, self._entries[hashes[0]])))
         if len(displaced) > 2 * self._leaves + 64:
             entries = self._entries
             self._displaced = [d for d in displaced if entries.get(d[1]) is d[2]]
@@ -198,7 +199,7 @@ class EndpointBlocks:
     def _drop(self, key: int) -> None:
         """Remove the entry `key`, if any (a stale one where a new one goes)."""
         value = self._entries.pop(key, None)
-        if type(value) is _Leaf:
+        if type(value) is Leaf:
             self._count(value, -1)
 
     def evict(self, hashes: Iterable[int]) -> None:
@@ -214,10 +215,10 @@ class EndpointBlocks:
         if not inside:
             return
         for key, value in list(self._entries.items()):
-            if type(value) is _Leaf and not inside.isdisjoint(value.hashes):
+            if type(value) is Leaf and not inside.isdisjoint(value.hashes):
                 cut = next(i for i, h in enumerate(value.hashes) if h in inside)
                 self._count(value, -1)
-                self._entries[key] = shorter = _Leaf(value, _leaf_chain(value.hashes[:cut]))
+                self._entries[key] = shorter = Leaf(value, _leaf_chain(value.hashes[:cut]))
                 self._count(shorter, 1)
                 heappush(self._displaced, (float(value), key, shorter))  # if it was displaced
 
@@ -237,7 +238,7 @@ class EndpointBlocks:
         except that the rest of a split leaf comes where it was split, with its older time."""
         out: list[tuple[int, float]] = []
         for key, touched in self._entries.items():
-            if type(touched) is _Leaf:
+            if type(touched) is Leaf:
                 chain = touched.hashes
                 hashes = chain.peek() if type(chain) is PromptChain else chain
                 out += zip(reversed(hashes), repeat(float(touched)))
@@ -272,7 +273,7 @@ class EndpointBlocks:
         if not held:
             return 0
         leaf = self._entries[hashes[held - 1]]
-        if type(leaf) is not _Leaf:
+        if type(leaf) is not Leaf:
             return held
         return held - 1 + common_prefix(leaf.hashes, hashes, held - 1)
 
@@ -286,7 +287,7 @@ class EndpointBlocks:
         start = entries.get(hashes[0], MISSING)
         if start < oldest:
             return 0  # the common case on a large fleet: one lookup, no search
-        if type(start) is _Leaf or len(hashes) == 1:
+        if type(start) is Leaf or len(hashes) == 1:
             return 1
         if entries.get(hashes[-1], MISSING) >= oldest:
             return len(hashes)  # every block is a key: one more lookup, no search
@@ -317,11 +318,11 @@ class EndpointBlocks:
             expired = touched < oldest
             if not expired and over <= 0:
                 break
-            if type(touched) is _Leaf:
+            if type(touched) is Leaf:
                 weight = len(touched.hashes)
                 if not expired and weight > over:
                     self._count(touched, -1)
-                    entries[key] = shorter = _Leaf(
+                    entries[key] = shorter = Leaf(
                         touched, _leaf_chain(touched.hashes[: weight - over])
                     )
                     self._count(shorter, 1)

@@ -11,10 +11,12 @@ logged. Settlements never wait: they are queued and applied by a background task
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from kvgate.background import OwnedTask
 from kvgate.state.quotas import (
@@ -210,13 +212,13 @@ class RedisQuotaStore:
             while self._pending:
                 batch = [self._pending.popleft() for _ in range(min(256, len(self._pending)))]
                 try:
-                    await self.link.call(lambda r, b=batch: self._adjust_batch(r, b))
+                    await self.link.call(functools.partial(self._adjust_batch, batch=batch))
                 except RedisUnavailable:
                     self._pending.extendleft(reversed(batch))
                     await asyncio.sleep(self.link.breaker.open_for)
 
-    async def _adjust_batch(self, client: object, batch: list[tuple[str, int, int]]) -> object:
-        async with client.pipeline(transaction=False) as pipe:  # type: ignore[attr-defined]
+    async def _adjust_batch(self, client: Any, batch: list[tuple[str, int, int]]) -> object:
+        async with client.pipeline(transaction=False) as pipe:
             for key, capacity, amount in batch:
                 await self._adjust(keys=[key], args=[capacity, amount], client=pipe)  # queues
             return await pipe.execute()

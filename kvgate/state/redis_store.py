@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 
@@ -161,7 +163,7 @@ class RedisStore:
                 if topic.restore is None:
                     continue
                 stored = await self.link.call(
-                    lambda r, t=topic: r.hgetall(self._key("snapshot", t.name))
+                    functools.partial(self._read_snapshot, name=topic.name)
                 )
                 if stored and b"d" in stored:
                     topic.restore(stored[b"d"])
@@ -183,7 +185,7 @@ class RedisStore:
             while self._pending:
                 batch = [self._pending.popleft() for _ in range(min(512, len(self._pending)))]
                 try:
-                    await self.link.call(lambda r, b=batch: self._xadd(r, b))
+                    await self.link.call(functools.partial(self._xadd, batch=batch))
                 except RedisUnavailable:
                     self._pending.extendleft(reversed(batch))
                     while len(self._pending) > self.settings.max_pending:
@@ -199,8 +201,14 @@ class RedisStore:
                     break
                 self.stats.published += len(batch)
 
-    async def _xadd(self, client: object, batch: list[tuple[str, bytes]]) -> object:
-        async with client.pipeline(transaction=False) as pipe:  # type: ignore[attr-defined]
+    async def _read_snapshot(self, client: Any, name: str) -> Any:
+        return await client.hgetall(self._key("snapshot", name))
+
+    async def _read_streams(self, client: Any, streams: dict[str, bytes], block_ms: int) -> Any:
+        return await client.xread(streams, count=1000, block=block_ms)
+
+    async def _xadd(self, client: Any, batch: list[tuple[str, bytes]]) -> object:
+        async with client.pipeline(transaction=False) as pipe:
             for topic, delta in batch:
                 pipe.xadd(
                     self._key("stream", topic),
@@ -216,7 +224,7 @@ class RedisStore:
             streams = {self._key("stream", t.name): t.last_id for t in self._topics.values()}
             try:
                 answer = await self.reader.call(
-                    lambda r, s=streams: r.xread(s, count=1000, block=block_ms),
+                    functools.partial(self._read_streams, streams=streams, block_ms=block_ms),
                     limit=self.settings.op_timeout + self.settings.read_block,
                 )
             except RedisUnavailable:

@@ -41,8 +41,11 @@ LoadSink = Callable[[Mapping[str, ReplicaLoad]], None]
 
 
 class Store(Protocol):
-    replica_id: str
-    quotas: QuotaStore
+    @property
+    def replica_id(self) -> str: ...
+
+    @property
+    def quotas(self) -> QuotaStore: ...
 
     async def start(self) -> None:
         """Connect and start background sync; never fails because a backend is down."""

@@ -35,7 +35,8 @@ class RollingCounts:
                     self._totals[series] -= count
                     row[series] = 0
             self._head = slot
-        return self._head % self.buckets
+            return slot % self.buckets
+        return head % self.buckets
 
     def add(self, series: int, now: float, amount: int = 1) -> None:
         row = self._counts[self._advance(now)]
