@@ -8,8 +8,7 @@ import asyncio
 import httpx
 import pytest
 
-from kvgate.chain.settings import TenantLimits
-from kvgate.state.quotas import InMemoryQuotaStore, QuotaExceeded, QuotaTooSmall
+from kvgate.state.quotas import InMemoryQuotaStore, QuotaExceeded, QuotaLimits, QuotaTooSmall
 from tests.chain.helpers import IDLE, admission_state, chat, make_key, tenant
 from tests.conftest import gateway_config
 
@@ -25,7 +24,7 @@ class Clock:
 async def test_reserve_settle_release_and_retry_after():
     clock = Clock()
     store = InMemoryQuotaStore(clock)
-    limits = TenantLimits(requests_per_minute=2, tokens_per_minute=600)
+    limits = QuotaLimits(requests_per_minute=2, tokens_per_minute=600)
     first = await store.reserve("t", limits, 400)
     with pytest.raises(QuotaExceeded) as short:
         await store.reserve("t", limits, 300)
@@ -54,7 +53,7 @@ async def test_reserve_settle_release_and_retry_after():
 
 async def test_exact_under_concurrency():
     store = InMemoryQuotaStore()
-    limits = TenantLimits(requests_per_minute=7)
+    limits = QuotaLimits(requests_per_minute=7)
 
     async def one() -> bool:
         try:
@@ -151,3 +150,28 @@ def test_failures_release_everything(upstream, start_gateway, failure):
         response = chat(server.url, KEY, headers={"x-kvgate-workflow-step": "x"})
         assert response.status_code == 400
     assert admission_state(app, server) == IDLE
+
+
+@pytest.mark.parametrize(
+    ("headers", "body"),
+    [
+        ({"x-kvgate-timeout-ms": "abc"}, {}),
+        ({"x-kvgate-first-token-timeout-ms": "0"}, {}),
+        ({"x-kvgate-deadline": "-1"}, {}),
+        ({"x-kvgate-workflow-step": "2/1", "x-kvgate-workflow-id": "w"}, {}),
+        ({}, {"max_tokens": 0}),
+        ({}, {"stream": "yes"}),
+    ],
+)
+def test_a_refused_request_is_never_charged(upstream, start_gateway, headers, body):
+    """Every client input is checked before admission: refusals take no quota, no queue place
+    and no engine, so the tenant's whole allowance is still there afterwards."""
+    engine, up = upstream
+    app, server = start_gateway(_config(up.url, requests_per_minute=2))
+    for _ in range(3):
+        refused = chat(server.url, KEY, headers=headers, **body)
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["type"] == "invalid_request_error"
+    assert engine.inference_requests == []
+    assert admission_state(app, server) == IDLE
+    assert [chat(server.url, KEY).status_code for _ in range(3)] == [200, 200, 429]

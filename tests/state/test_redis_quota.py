@@ -9,8 +9,7 @@ import time
 
 import pytest
 
-from kvgate.chain.settings import TenantLimits
-from kvgate.state.quotas import QuotaExceeded, QuotaTooSmall
+from kvgate.state.quotas import QuotaExceeded, QuotaLimits, QuotaTooSmall
 from kvgate.state.redis_link import RedisLink
 from kvgate.state.redis_quota import RedisQuotaStore
 
@@ -21,7 +20,7 @@ def _store(url: str, replicas: int = 1) -> RedisQuotaStore:
     return RedisQuotaStore(RedisLink(url, timeout=0.5), "q", lambda: replicas)
 
 
-async def _hammer(url: str, limits: TenantLimits, seconds: float) -> int:
+async def _hammer(url: str, limits: QuotaLimits, seconds: float) -> int:
     store = _store(url)
     accepted = 0
     deadline = time.monotonic() + seconds
@@ -41,7 +40,7 @@ async def _hammer(url: str, limits: TenantLimits, seconds: float) -> int:
 
 
 def _process(url: str, rpm: int, seconds: float, results: multiprocessing.Queue) -> None:
-    results.put(asyncio.run(_hammer(url, TenantLimits(requests_per_minute=rpm), seconds)))
+    results.put(asyncio.run(_hammer(url, QuotaLimits(requests_per_minute=rpm), seconds)))
 
 
 def test_three_processes_hammering_one_tenant_never_overshoot(redis_server):
@@ -69,7 +68,7 @@ async def test_reserve_settle_release_and_retry_after(redis_server):
     store = _store(redis_server.url)
     store.start()
     try:
-        limits = TenantLimits(requests_per_minute=2, tokens_per_minute=600)
+        limits = QuotaLimits(requests_per_minute=2, tokens_per_minute=600)
         first = await store.reserve("t", limits, 500)
         with pytest.raises(QuotaExceeded) as info:
             await store.reserve("t", limits, 200)
@@ -101,7 +100,7 @@ async def test_reserve_settle_release_and_retry_after(redis_server):
 
 async def test_redis_lost_falls_back_to_a_local_share(redis_server):
     store = _store(redis_server.url, replicas=3)
-    limits = TenantLimits(requests_per_minute=30)
+    limits = QuotaLimits(requests_per_minute=30)
     await store.reserve("t", limits, 0)
     assert store.stats.shared_reservations == 1
     redis_server.stop()
