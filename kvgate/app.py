@@ -240,6 +240,7 @@ class GatewayApp:
             endpoint.peer_queued_tokens = load.queued_tokens
 
     def _settle(self, ctx: RequestContext) -> None:
+        self.routing.feedback.observe(ctx)
         self.metrics.observe(ctx)
         self.access_log.finished(ctx)
 

@@ -72,6 +72,8 @@ class RequestContext:
     allowed_jurisdictions: frozenset[str] | None = None
     # SSE data events relayed to the client (streams), for usage estimates without `usage`.
     relayed_events: int = 0
+    # The gateway asked the engine for usage the client did not ask for: drop its chunk.
+    strip_usage: bool = False
     # Routing: prefix match data computed once by the picker (retries reuse it), and headers
     # the gateway adds to the response next to x-kvgate-endpoint (e.g. the route explanation).
     prefix: PrefixMatch | None = None

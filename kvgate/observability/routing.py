@@ -63,6 +63,29 @@ class RoutingCollector(Collector):
             stale.add_metric([name], 1 if endpoint.stale else 0)
             saturated.add_metric([name], 1 if endpoint.saturated else 0)
         yield from (entries, capacity, evictions, prefill, decoding, stale, saturated)
+        predicted = CounterMetricFamily(
+            "kvgate_prefix_predicted_tokens",
+            "Prompt tokens the prefix index predicted the chosen endpoint held, over answers "
+            "that reported cached tokens.",
+            labels=["endpoint"],
+        )
+        cached = CounterMetricFamily(
+            "kvgate_prefix_cached_tokens",
+            "Prompt tokens the engine reported cached (usage.prompt_tokens_details).",
+            labels=["endpoint"],
+        )
+        corrections = CounterMetricFamily(
+            "kvgate_prefix_corrections",
+            "Answers whose cached tokens were below (over) or above (under) the prediction "
+            "beyond the tolerance, each correcting the index.",
+            labels=["endpoint", "direction"],
+        )
+        for name, drift in self.services.feedback.drift.items():
+            predicted.add_metric([name], drift.predicted_tokens)
+            cached.add_metric([name], drift.cached_tokens)
+            corrections.add_metric([name, "over"], drift.over)
+            corrections.add_metric([name, "under"], drift.under)
+        yield from (predicted, cached, corrections)
         yield GaugeMetricFamily(
             "kvgate_prefix_index_memory_bytes",
             "Estimated memory held by the prefix index.",

@@ -22,6 +22,9 @@ class PrefixMatch:
     matched: dict[str, int] = field(default_factory=dict)
     session: str | None = None
     affinity: str | None = None
+    # When each endpoint chosen for this request had last touched the deepest block of it
+    # that the index thought it held, taken before the decision was recorded (for feedback).
+    touched: dict[str, float] = field(default_factory=dict)
 
     def match_ratio(self, endpoint: str) -> float:
         if not self.hashes:

@@ -175,6 +175,22 @@ class PrefixIndex:
         if blocks is not None:
             blocks.clear()
 
+    def deepest_touch(
+        self, endpoint: str, hashes: Sequence[int], now: float | None = None
+    ) -> float | None:
+        """When `endpoint` last touched the deepest block of `hashes` it holds (None: none)."""
+        blocks = self._blocks.get(endpoint)
+        if blocks is None or not hashes:
+            return None
+        return blocks.deepest_touch(hashes, time.monotonic() if now is None else now)
+
+    def forget_touched_until(self, endpoint: str, moment: float) -> None:
+        """`endpoint`'s engine evicted a block last touched at `moment`: forget everything it
+        was told at that time or before (an LRU evicts the oldest first)."""
+        blocks = self._blocks.get(endpoint)
+        if blocks is not None:
+            blocks.forget_touched_until(moment)
+
     def set_capacity(self, endpoint: str, capacity: int) -> None:
         """Bound `endpoint`'s entries (from the engine's KV size), capped at `max_capacity`."""
         self._for(endpoint).resize(min(capacity, self.max_capacity), time.monotonic())

@@ -277,6 +277,17 @@ class EndpointBlocks:
             return held
         return held - 1 + common_prefix(leaf.hashes, hashes, held - 1)
 
+    def deepest_touch(self, hashes: Sequence[int], now: float) -> float | None:
+        """When the deepest held block of `hashes` was last touched (the oldest of the held
+        prefix: a chain is touched deepest-first), or None when none is held."""
+        held = self._keys_held(hashes, now)
+        return float(self._entries[hashes[held - 1]]) if held else None
+
+    def forget_touched_until(self, moment: float) -> None:
+        """Drop every block last touched at `moment` or before: the engine evicted a block of
+        that age, and an LRU evicts everything older first."""
+        self._evict(math.nextafter(moment, math.inf))
+
     def _keys_held(self, hashes: Sequence[int], now: float) -> int:
         """How many leading blocks of `hashes` are keys touched within the TTL (a binary
         search: the keys along a chain are a prefix of it, and a leaf's key is the last)."""
@@ -301,12 +312,16 @@ class EndpointBlocks:
         return low
 
     def _trim(self, now: float) -> None:
-        """Drop the oldest entries while they are expired or over capacity — the front of
-        the ordered dict or the oldest displaced leaf, whichever was touched first; a leaf over
-        capacity by fewer blocks than it has loses its deepest ones and keeps its place."""
+        """Drop the oldest entries while they are expired or over capacity."""
+        self._evict(now - self.ttl)
+
+    def _evict(self, oldest: float) -> None:
+        """Drop the oldest entries while they were touched before `oldest` or are over
+        capacity — the front of the ordered dict or the oldest displaced leaf, whichever was
+        touched first; a leaf over capacity by fewer blocks than it has loses its deepest ones
+        and keeps its place."""
         entries = self._entries
         displaced = self._displaced
-        oldest = now - self.ttl
         over = len(self) - self.capacity
         while entries:
             while displaced and entries.get(displaced[0][1]) is not displaced[0][2]:

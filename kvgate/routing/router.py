@@ -180,7 +180,12 @@ class PolicyPicker:
         prefix = ctx.prefix
         if prefix is None:
             return
-        self.services.index.record(chosen.name, prefix.hashes)
+        index = self.services.index
+        if prefix.matched.get(chosen.name):
+            touched = index.deepest_touch(chosen.name, prefix.hashes)
+            if touched is not None:
+                prefix.touched[chosen.name] = touched
+        index.record(chosen.name, prefix.hashes)
         if prefix.session is not None:
             self.services.affinity.set(prefix.session, chosen.name)
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvgate.routing.affinity import SessionAffinity, session_key
+from kvgate.routing.cache_feedback import CacheFeedback
 from kvgate.routing.endpoints import Endpoint
 from kvgate.routing.match import PrefixMatch
 from kvgate.routing.prefix_hasher import PrefixHasher
@@ -29,6 +30,10 @@ class RoutingServices:
     chars_per_token: float
     max_candidates: int = 0
     rng: random.Random = field(default_factory=random.Random)
+    feedback: CacheFeedback = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.feedback = CacheFeedback(self.index, self.hasher.max_blocks)
 
     @classmethod
     def from_config(
@@ -89,7 +94,7 @@ class RoutingServices:
         """Bound an endpoint's index entries by its engine's KV cache, in blocks of text."""
         if telemetry.kv_tokens is not None:
             blocks = telemetry.kv_tokens * self.chars_per_token / self.hasher.block_chars
-            self.index.set_capacity(endpoint.name, max(1, int(blocks)))
+            self.feedback.engine_size(endpoint.name, max(1, int(blocks)), telemetry.block_size)
 
     def prefix_match(self, ctx: RequestContext) -> PrefixMatch:
         """Hash the request's prompt once, match it against every endpoint and look up its

@@ -201,7 +201,7 @@ class AttemptRelay:
         async with self._opened(request, first_token_until, "first_token") as response:
             await self._expect_stream(response)
             loop = asyncio.get_running_loop()
-            scanner = SseScanner()
+            scanner = SseScanner(strip_usage=ctx.strip_usage)
             chunks: AsyncIterator[bytes] = response.iter_raw()
             phase: Phase = "first_token"
             error: KvgateError

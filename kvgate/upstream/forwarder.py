@@ -30,6 +30,7 @@ from kvgate.upstream.resilience import Resilience
 from kvgate.upstream.resume import StreamTranscript, continuation_body, resume_eligible
 from kvgate.upstream.retry_budget import RetryBudget
 from kvgate.upstream.transport import UpstreamTransport
+from kvgate.upstream.usage_request import request_usage
 
 _DONE = b"data: [DONE]\n\n"
 
@@ -53,6 +54,7 @@ class Forwarder:
 
     async def __call__(self, ctx: RequestContext, send: Send) -> None:
         assert ctx.endpoint is not None
+        request_usage(ctx)
         limits = resolve_timeouts(ctx, self.timeouts)
         budget = self.resilience.budgets[ctx.endpoint.pool]
         budget.request_started()

@@ -7,6 +7,10 @@ usage the engine reported. Only events that may carry usage or an error are JSON
 `feed` returns the bytes of the events it completed, so the relay forwards whole events only:
 a stream that breaks mid-event never leaves half an event before the error event.
 
+With `strip_usage` the usage-only event (`choices` empty, `usage` set: what
+`stream_options.include_usage` adds before `[DONE]`) is read and left out of the returned
+bytes, for clients that did not ask for it (the gateway did).
+
 Malformed events are detected cheaply, without parsing: a data payload other than `[DONE]`
 must start with `{` and end with `}` (every engine sends one JSON object per event). A
 truncated or garbage event fails that check and raises SseProtocolError before it is relayed.
@@ -20,6 +24,8 @@ from typing import Any
 import orjson
 
 _BOUNDARY = re.compile(rb"\r?\n\r?\n")
+# Engines that send `"usage": null` on every chunk: nothing to read there.
+_NULL_USAGE = re.compile(rb'"usage"\s*:\s*null')
 MAX_PENDING_BYTES = 1024 * 1024
 
 
@@ -49,9 +55,10 @@ def event_data(event: bytes) -> bytes | None:
 class SseScanner:
     """Feed raw chunks in arrival order; read `data_events`, `done`, `error`, `usage`."""
 
-    __slots__ = ("_tail", "data_events", "done", "error", "usage")
+    __slots__ = ("_tail", "data_events", "done", "error", "strip_usage", "usage")
 
-    def __init__(self) -> None:
+    def __init__(self, strip_usage: bool = False) -> None:
+        self.strip_usage = strip_usage
         self._tail = b""
         self.data_events = 0
         self.done = False
@@ -69,36 +76,43 @@ class SseScanner:
         events, self._tail = split_events(buffer)
         if len(self._tail) > MAX_PENDING_BYTES:
             raise SseProtocolError("upstream sent an event larger than 1 MiB")
-        for event in events:
-            self._event(event)
-        return buffer[: len(buffer) - len(self._tail)] if self._tail else buffer
+        dropped = [event for event in events if self._event(event)]
+        out = buffer[: len(buffer) - len(self._tail)] if self._tail else buffer
+        for event in dropped:
+            out = _without(out, event)
+        return out
 
     def flush(self) -> bytes:
         """Bytes held back after the last complete event (relayed once the stream ended)."""
         tail, self._tail = self._tail, b""
         return tail
 
-    def _event(self, event: bytes) -> None:
+    def _event(self, event: bytes) -> bool:
+        """Read one event; True when it is to be left out of the relayed bytes."""
         data = event_data(event)
         if data is None:
-            return
-        self.data_events += 1
+            return False
         data = data.strip()
         if data == b"[DONE]":
+            self.data_events += 1
             self.done = True
-            return
+            return False
         if data[:1] != b"{" or data[-1:] != b"}":
             raise SseProtocolError("the engine sent a malformed event (not a JSON object)")
-        if b'"error"' in data or b'"usage"' in data:
-            self._inspect(data)
+        readable = b'"error"' in data or (b'"usage"' in data and not _NULL_USAGE.search(data))
+        if readable and self._inspect(data) and self.strip_usage:
+            return True
+        self.data_events += 1
+        return False
 
-    def _inspect(self, data: bytes) -> None:
+    def _inspect(self, data: bytes) -> bool:
+        """Read an event that may carry an error or usage; True for a usage-only event."""
         try:
             parsed = orjson.loads(data)
         except orjson.JSONDecodeError:
-            return
+            return False
         if not isinstance(parsed, dict):
-            return
+            return False
         error = parsed.get("error")
         if isinstance(error, dict):
             self.error = error
@@ -107,3 +121,13 @@ class SseScanner:
         usage = parsed.get("usage")
         if isinstance(usage, dict):
             self.usage = usage
+            return self.error is None and not parsed.get("choices")
+        return False
+
+
+def _without(out: bytes, event: bytes) -> bytes:
+    """`out` without `event` and the blank line that ends it."""
+    start = out.rindex(event)
+    end = start + len(event)
+    end += 4 if out[end : end + 2] == b"\r\n" else 2
+    return out[:start] + out[end:]

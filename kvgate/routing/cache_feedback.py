@@ -1,0 +1,116 @@
+"""What the engines really had cached, read from every answer and fed back into the index.
+
+Each answer's `usage.prompt_tokens_details.cached_tokens` is the engine's own count of the
+prompt tokens it found in its prefix cache: ground truth for the prediction the router made
+(`PrefixMatch.matched` of the chosen endpoint). The gateway asks engines for usage on every
+stream (`stream_options.include_usage`, stripped again for clients that did not ask), so every
+request that reaches an engine teaches the index something.
+
+- The engine had less than predicted: the engine evicted a block the index thought it held.
+  Engines evict least recently used blocks first, so everything the index last touched on
+  that endpoint at or before that block's time is gone too: it is forgotten at once. The
+  index's capacity for the endpoint shrinks to what remains (it held more than the engine
+  could keep: engines also spend KV on decoding sequences and on output tokens).
+- The engine had more than predicted: the index forgot too early; its capacity grows by the
+  tokens it missed, never beyond the engine's reported KV size.
+
+The prediction is the share of the prompt the index matched, times the prompt tokens the
+engine counted (so the character-based token estimate's own error is not taken for drift).
+Differences within a tolerance are not evidence: the engine caches whole blocks of its own
+tokens under its chat template, the index blocks of characters, so one engine block, one index
+block and the drift target (5% of the prediction) are allowed either way.
+
+Per endpoint the predicted and the cached tokens are counted; their gap is the index's drift
+(`kvgate_prefix_predicted_tokens_total`, `kvgate_prefix_cached_tokens_total`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvgate.routing.prefix_index import PrefixIndex
+from kvgate.types import RequestContext
+
+# Tokens per engine block when the engine does not report its block size (vLLM's default).
+ENGINE_BLOCK_TOKENS = 16
+# Differences up to this share of the prediction are estimation noise (the drift target).
+DRIFT_TOLERANCE = 0.05
+
+
+@dataclass(slots=True)
+class EndpointDrift:
+    """Per endpoint: tokens predicted cached and tokens the engine reported cached, over the
+    answers that reported both; answers where the engine had less / more than predicted."""
+
+    predicted_tokens: int = 0
+    cached_tokens: int = 0
+    over: int = 0
+    under: int = 0
+
+
+def cached_tokens(usage: dict[str, object] | None) -> int | None:
+    """`usage.prompt_tokens_details.cached_tokens`, when the engine reported it."""
+    if usage is None:
+        return None
+    details = usage.get("prompt_tokens_details")
+    if not isinstance(details, dict):
+        return None
+    cached = details.get("cached_tokens")
+    return cached if isinstance(cached, int) and not isinstance(cached, bool) else None
+
+
+class CacheFeedback:
+    """Compares each answer's cached tokens with the prediction and corrects the index."""
+
+    def __init__(self, index: PrefixIndex, min_capacity: int) -> None:
+        self.index = index
+        self.min_capacity = min_capacity  # one whole prompt: what an engine holds at least
+        self.drift: dict[str, EndpointDrift] = {}
+        self._kv_blocks: dict[str, int] = {}  # the engine's KV size in index blocks
+        self._engine_block_tokens: dict[str, int] = {}
+
+    def engine_size(self, endpoint: str, kv_blocks: int, block_tokens: int | None) -> None:
+        """The engine reported its KV size (in index blocks) and block size (tokens): the
+        index's capacity for it starts there and never grows beyond it."""
+        self._kv_blocks[endpoint] = kv_blocks
+        if block_tokens:
+            self._engine_block_tokens[endpoint] = block_tokens
+        self.index.set_capacity(endpoint, kv_blocks)
+
+    def observe(self, ctx: RequestContext) -> None:
+        """Learn from a finished request (called once, at settlement)."""
+        prefix, endpoint = ctx.prefix, ctx.endpoint
+        if prefix is None or endpoint is None or ctx.resumes or not prefix.hashes:
+            return
+        cached = cached_tokens(ctx.usage)
+        if cached is None or ctx.usage is None:
+            return
+        prompt = ctx.usage.get("prompt_tokens")
+        name = endpoint.name
+        per_block = prefix.tokens_per_block
+        predicted = min(prefix.prompt_tokens, int(prefix.matched.get(name, 0) * per_block))
+        if isinstance(prompt, int) and prefix.prompt_tokens:
+            # The index's share of the prompt, in the engine's own tokens: the character-based
+            # estimate's error is not the index's.
+            predicted = round(prompt * predicted / prefix.prompt_tokens)
+        drift = self.drift.get(name)
+        if drift is None:
+            drift = self.drift[name] = EndpointDrift()
+        drift.predicted_tokens += predicted
+        drift.cached_tokens += cached
+        engine_block = self._engine_block_tokens.get(name, ENGINE_BLOCK_TOKENS)
+        tolerance = max(engine_block + per_block, DRIFT_TOLERANCE * predicted)
+        if cached + tolerance < predicted:
+            drift.over += 1
+            touched = prefix.touched.get(name)
+            if touched is not None:
+                self.index.forget_touched_until(name, touched)
+            remaining = self.index.entries(name)
+            if remaining < self.index.capacity(name):
+                self.index.set_capacity(name, max(self.min_capacity, remaining))
+        elif cached > predicted + tolerance:
+            drift.under += 1
+            grown = self.index.capacity(name) + math.ceil((cached - predicted) / per_block)
+            ceiling = self._kv_blocks.get(name, self.index.max_capacity)
+            self.index.set_capacity(name, min(ceiling, grown))

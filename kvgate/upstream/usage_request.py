@@ -1,0 +1,34 @@
+"""Usage on every stream: the engines' own count of cached prompt tokens is what keeps the
+prefix index honest (`kvgate/routing/cache_feedback.py`), and quota settlement wants real
+token counts. So a stream whose client did not ask for `stream_options.include_usage` is sent
+upstream asking for it, and the usage chunk (`choices: []`) is removed from what that client
+receives: the client gets the events it asked for and nothing more.
+"""
+
+from __future__ import annotations
+
+import orjson
+
+from kvgate.types import RequestContext
+
+_ASK = b',"stream_options":{"include_usage":true}}'
+_ROUTES = frozenset({"chat", "completions"})
+
+
+def request_usage(ctx: RequestContext) -> None:
+    """Ask the engine for usage on `ctx`'s stream if its client did not; set
+    `ctx.strip_usage` when the gateway asked, so the relay drops the usage chunk."""
+    if not ctx.stream or ctx.route not in _ROUTES:
+        return
+    options = ctx.payload.get("stream_options")
+    if isinstance(options, dict):
+        if options.get("include_usage") is True:
+            return
+        asked = {**ctx.payload, "stream_options": {**options, "include_usage": True}}
+        ctx.body = orjson.dumps(asked)
+    else:
+        # The body is one JSON object without the key: add it before the closing brace
+        # instead of serialising the whole (possibly long) prompt again.
+        body = ctx.body.rstrip()
+        ctx.body = body[:-1] + _ASK
+    ctx.strip_usage = True
