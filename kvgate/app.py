@@ -94,7 +94,7 @@ class GatewayApp:
         self.tenants = TenantDirectory(config.auth, config.tiers)
         self.classifier = Classifier(config.classification)
         self.admission = AdmissionController(
-            self.fleet,
+            self.picker,
             self.store.quotas,
             self.classifier,
             config.admission,

@@ -66,6 +66,11 @@ class Capacity(Protocol):
         404 or 503)."""
         ...
 
+    def uncached_tokens(self, ctx: RequestContext) -> int:
+        """The prompt tokens the best-placed endpoint would have to prefill for `ctx` (asked
+        only for requests that wait)."""
+        ...
+
 
 class AdmissionObserver(Protocol):
     """What admission reports (Prometheus metrics in the gateway)."""
@@ -248,6 +253,7 @@ class AdmissionController:
             boost=boost,
             enqueued=time.perf_counter(),
             future=loop.create_future(),
+            prefill=self._prefill_seconds(ctx),
         )
         wait_until = ctx.deadline - self.predicted_duration(ctx.model, intent.max_tokens)
         if wait_until <= waiter.enqueued:
@@ -275,6 +281,12 @@ class AdmissionController:
             waiter.resumed.set()
             if not waiter.granted:
                 self._leave(waiter, "gone")
+
+    def _prefill_seconds(self, ctx: RequestContext) -> float:
+        """Predicted prefill time of a waiting request, for shortest-prefill-first ordering."""
+        if not self.config.shortest_prefill_first:
+            return 0.0
+        return self.capacity.uncached_tokens(ctx) / self.config.prefill_tokens_per_second
 
     def _enqueue(self, waiter: Waiter) -> None:
         self.queue.push(waiter)

@@ -3,7 +3,14 @@ between tenants of a class, earliest deadline first within a tenant.
 
     AdmissionQueue
       (model, jurisdictions) → class (interactive, standard, batch; strictly in that order)
-        tenant → heap of waiters by (deadline - workflow boost, arrival)
+        tenant → heap of waiters by (latest start, arrival)
+
+Within a tenant and class, the waiter that should start first goes first: the earlier of its
+deadline and its arrival plus its predicted prefill time (uncached prompt tokens at the fleet's
+prefill rate), minus any workflow boost. With the classes' long deadlines that is shortest
+prefill first, which lowers mean time to first token, with aging: a long prefill waits at most
+its own prefill time longer than it would in arrival order, so none starves; a tight deadline
+(the client's `x-kvgate-deadline`) still goes first.
 
 Between the tenants of one class, start-time fair queuing: each tenant has a virtual time that
 advances by 1 / weight per request served; the backlogged tenant with the smallest virtual time
@@ -33,7 +40,7 @@ QueueKey = tuple[str, frozenset[str] | None]
 @dataclass(eq=False)
 class Waiter:
     """One queued request. `future` resolves with None when it may run, or with the error that
-    refuses it. `order` is (deadline - boost, arrival): lower goes first within its tenant."""
+    refuses it. `order`: lower goes first within its tenant."""
 
     ctx: RequestContext
     tenant: Tenant
@@ -43,6 +50,8 @@ class Waiter:
     boost: float
     enqueued: float
     future: asyncio.Future[None]
+    # Predicted prefill seconds (0: order by deadline alone).
+    prefill: float = 0.0
     seq: int = field(default_factory=lambda: next(_sequence))
     live: bool = True
     granted: bool = False
@@ -50,7 +59,11 @@ class Waiter:
 
     @property
     def order(self) -> tuple[float, int]:
-        return (self.deadline - self.boost, self.seq)
+        """The latest time it should start (see the module docstring), then arrival."""
+        start_by = self.deadline
+        if self.prefill:
+            start_by = min(start_by, self.enqueued + self.prefill)
+        return (start_by - self.boost, self.seq)
 
     def shed_order(self) -> tuple[int, int, float, int]:
         """Larger is shed first: worst class, then lowest tier, then latest deadline, newest."""

@@ -106,6 +106,17 @@ class PolicyPicker:
         profile, rule = self.policy.profile_for(ctx)
         return self._choose(ctx, exclude, profile, rule, profile.pools or (self.pool,), True)
 
+    def uncached_tokens(self, ctx: RequestContext) -> int:
+        """Prompt tokens the endpoint holding most of this prompt would prefill (the whole
+        prompt when the policy does not route by prefix). Leaves `ctx.prefix` unset: the
+        decision matches again when it is made, on the index as it is then."""
+        profile, _ = self.policy.profile_for(ctx)
+        endpoints = self.fleet.serving(ctx.model, pools=profile.pools or (self.pool,))
+        if not profile.uses_prefix or not endpoints:
+            return ctx.view.prompt_tokens
+        match = self.services.prefix_match(ctx)
+        return min(match.uncached_by_endpoint([e.name for e in endpoints]))
+
     def fallback_model(self, ctx: RequestContext) -> str | None:
         """The policy's smaller model when every endpoint this request could use is
         saturated (its pools, then its fallback pool), else None."""
@@ -171,7 +182,7 @@ class PolicyPicker:
             ctx.response_headers.append(
                 (
                     ROUTE_EXPLAIN,
-                    _explain(self.policy.name, rule, profile, available, scores, columns),
+                    _explain(ctx, self.policy.name, rule, profile, available, scores, columns),
                 )
             )
         return chosen
@@ -191,6 +202,7 @@ class PolicyPicker:
 
 
 def _explain(
+    ctx: RequestContext,
     policy: str,
     rule: str,
     profile: RoutingProfile,
@@ -198,8 +210,14 @@ def _explain(
     scores: Sequence[float] | None,
     columns: Sequence[Sequence[float]],
 ) -> bytes:
+    """Every term of the decision, per candidate: its score and each scorer's value, and the
+    inputs of the predicted time to first token (held prompt blocks, uncached tokens, prefill
+    tokens queued there, decoding sequences, the engine's waiting requests)."""
     names = [s.NAME for s, _ in profile.scorers]
+    prefix = ctx.prefix
     parts = [f"policy={policy}; rule={rule}; objective={profile.objective}"]
+    if prefix is not None:
+        parts[0] += f"; prompt_tokens={prefix.prompt_tokens}; blocks={len(prefix.hashes)}"
     for i, candidate in enumerate(candidates):
         fields = [candidate.name]
         if scores is not None:
@@ -207,6 +225,12 @@ def _explain(
             fields += [
                 f"{name}={column[i]:.3f}" for name, column in zip(names, columns, strict=True)
             ]
+        if prefix is not None:
+            fields.append(f"held_blocks={prefix.matched.get(candidate.name, 0)}")
+            fields.append(f"uncached={prefix.uncached_tokens(candidate.name)}")
+        fields.append(f"queued_tokens={candidate.queued_tokens:.0f}")
+        fields.append(f"decoding={candidate.active_sequences:.0f}")
+        fields.append(f"waiting={candidate.waiting:.0f}")
         fields.append(f"inflight={candidate.inflight}")
         parts.append(" ".join(fields))
     return "; ".join(parts).encode("ascii", "replace")
@@ -229,6 +253,16 @@ class PoolRouter:
     def fallback_model(self, ctx: RequestContext) -> str | None:
         pool = self.fleet.home_pool(ctx.model)
         return self.pickers[pool].fallback_model(ctx) if pool is not None else None
+
+    def uncached_tokens(self, ctx: RequestContext) -> int:
+        pool = self.fleet.home_pool(ctx.model)
+        if pool is None:
+            return ctx.view.prompt_tokens
+        return self.pickers[pool].uncached_tokens(ctx)
+
+    def has_capacity(self, model: str, jurisdictions: frozenset[str] | None) -> bool:
+        """Admission's view of the fleet (`kvgate.chain.admission.Capacity`)."""
+        return self.fleet.has_capacity(model, jurisdictions)
 
 
 def build_router(

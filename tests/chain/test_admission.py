@@ -225,6 +225,8 @@ def _waiter(
     rank: int = 2,
     deadline: float = 100.0,
     boost: float = 0.0,
+    enqueued: float = 0.0,
+    prefill: float = 0.0,
 ) -> Waiter:
     tenant_ = build_tenant(TenantConfig(name=name, tier=tier), DEFAULT_TIERS[tier], None)
     ctx = request_context("chat", {"model": "m1"})
@@ -235,8 +237,9 @@ def _waiter(
         rank=rank,
         deadline=deadline,
         boost=boost,
-        enqueued=0.0,
+        enqueued=enqueued,
         future=loop.create_future(),
+        prefill=prefill,
     )
 
 
@@ -261,6 +264,49 @@ async def test_edf_within_a_tenant_and_workflow_boost():
         queue.push(waiter)
     order = [queue.pop_next(("m1", None), range(3), lambda t: True) for _ in range(3)]
     assert order == [step_five, early, late]
+
+
+async def test_shortest_prefill_first_with_aging_and_deadlines():
+    loop = asyncio.get_running_loop()
+    queue = AdmissionQueue()
+    long = _waiter(loop, "silver", "t", deadline=600, enqueued=0.0, prefill=2.0)  # start by 2.0
+    short = _waiter(loop, "silver", "t", deadline=600, enqueued=0.5, prefill=0.1)  # by 0.6
+    late_short = _waiter(loop, "silver", "t", deadline=600, enqueued=2.5, prefill=0.1)  # by 2.6
+    urgent = _waiter(loop, "silver", "t", deadline=0.3, enqueued=1.0, prefill=1.0)  # by 0.3
+    for waiter in (long, short, late_short, urgent):
+        queue.push(waiter)
+    order = [queue.pop_next(("m1", None), range(3), lambda t: True) for _ in range(4)]
+    # The tight deadline first; then the short prefill ahead of the long one that came
+    # earlier; the long one waited its own prefill time and goes before a later short one.
+    assert order == [urgent, short, long, late_short]
+
+
+def test_waiting_requests_start_shortest_prefill_first(upstream, start_gateway):
+    engine, up = upstream
+    engine.script.chunks, engine.script.gap = 4, 0.15
+    app, server = start_gateway(
+        _saturating_config(up.url, admission={"prefill_tokens_per_second": 1000})
+    )
+    url = server.url + "/v1/chat/completions"
+
+    async def scenario() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=20) as client:
+
+            def post(tag: str) -> asyncio.Task[httpx.Response]:
+                return asyncio.ensure_future(client.post(url, json=_body(tag)))
+
+            hold = post("hold")
+            await _until(lambda: len(engine.inference_requests) == 1)
+            long = post("long " + "x" * 8000)  # ≈ 2,000 tokens: 2 s of prefill at 1,000/s
+            await _until(lambda: len(app.admission.queue) == 1)
+            short = post("short")
+            await _until(lambda: len(app.admission.queue) == 2)
+            return list(await asyncio.gather(hold, long, short))
+
+    responses = asyncio.run(scenario())
+    assert [r.status_code for r in responses] == [200] * 3
+    assert [tag.split()[0] for tag in _tags(engine)] == ["hold", "short", "long"]
+    assert admission_state(app, server) == IDLE
 
 
 async def test_removed_waiters_are_skipped_and_shed_order():

@@ -150,8 +150,11 @@ def test_explain_header(mode, header, shown):
     explained = dict(request.response_headers).get(b"x-kvgate-route-explain")
     assert (explained is not None) == shown
     if shown:
-        assert explained.startswith(b"policy=kvgate; rule=default; objective=latency; a score=")
-        assert b"predicted_ttft=" in explained
+        assert explained.startswith(b"policy=kvgate; rule=default; objective=latency; ")
+        assert b"; a score=" in explained and b"predicted_ttft=" in explained
+        for term in (b"prompt_tokens=", b"held_blocks=", b"uncached=", b"queued_tokens=",
+                     b"decoding=", b"waiting="):  # fmt: skip
+            assert term in explained
 
 
 @pytest.mark.parametrize("name", ["random", "round_robin", "least_loaded"])
@@ -248,7 +251,7 @@ def _big_pool(count: int, max_candidates: int):
 
 def _scored(request) -> list[str]:
     header = dict(request.response_headers)[b"x-kvgate-route-explain"].decode()
-    return [part.split()[0] for part in header.split("; ")[3:]]
+    return [p.split()[0] for p in header.split("; ") if "=" not in p.split()[0]]
 
 
 def test_a_large_pool_scores_a_shortlist_that_keeps_prefix_holders_and_the_session():
