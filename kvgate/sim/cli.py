@@ -7,7 +7,16 @@ import signal
 from .engine_server import HOST
 from .faults import FAULT_MODES, Fault
 from .fleet import SimFleet
-from .options import DEFAULT_KV_BLOCKS, DEFAULT_MODEL, PROFILES, EngineOptions
+from .kv_event_wire import KV_EVENT_ENCODINGS
+from .options import (
+    DEFAULT_KV_BLOCKS,
+    DEFAULT_MODEL,
+    KV_EVENTS_PORT_OFFSET,
+    KV_EVENTS_REPLAY_BATCHES,
+    KV_EVENTS_REPLAY_PORT_OFFSET,
+    PROFILES,
+    EngineOptions,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,6 +81,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="start every engine with this fault, with the mode's default parameters",
     )
+    parser.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="publish KV-cache events over ZMQ as vLLM does with --kv-events-config",
+    )
+    parser.add_argument(
+        "--kv-events-port-offset",
+        type=int,
+        default=KV_EVENTS_PORT_OFFSET,
+        help="PUB socket on the engine's HTTP port + this",
+    )
+    parser.add_argument(
+        "--kv-events-replay-port-offset",
+        type=int,
+        default=KV_EVENTS_REPLAY_PORT_OFFSET,
+        help="replay (ROUTER) socket on the engine's HTTP port + this",
+    )
+    parser.add_argument(
+        "--kv-events-encoding",
+        choices=KV_EVENT_ENCODINGS,
+        default="array",
+        help="array: structs as arrays, tag first (older vLLM); map: maps with 'type' (newer)",
+    )
+    parser.add_argument(
+        "--kv-events-replay-batches",
+        type=int,
+        default=KV_EVENTS_REPLAY_BATCHES,
+        help="recent batches kept for the replay socket",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -87,6 +125,11 @@ def run(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs,
             seed=args.seed,
             fault=Fault(args.fault).as_json() if args.fault else None,
+            kv_events=args.kv_events,
+            kv_events_port_offset=args.kv_events_port_offset,
+            kv_events_replay_port_offset=args.kv_events_replay_port_offset,
+            kv_events_encoding=args.kv_events_encoding,
+            kv_events_replay_batches=args.kv_events_replay_batches,
         )
     except ValueError as error:
         print(f"kvgate sim: {error}")
@@ -102,10 +145,12 @@ async def _serve(engines: int, base_port: int, host: str, options: EngineOptions
     try:
         async with SimFleet(engines, base_port, options, host) as fleet:
             for engine in fleet.engines:
-                print(
-                    f"engine {engine.index} {options.flavor} {options.models[0]} {engine.url}",
-                    flush=True,
-                )
+                line = f"engine {engine.index} {options.flavor} {options.models[0]} {engine.url}"
+                if engine.kv_events is not None:
+                    line += (
+                        f" kv-events {engine.kv_events.url} replay {engine.kv_events.replay_url}"
+                    )
+                print(line, flush=True)
             await stop.wait()
     except OSError as error:
         print(f"kvgate sim: {error}")

@@ -2,8 +2,9 @@
 
 Routes: the OpenAI endpoints, `/health`, `/metrics`, the flavour's extras (vLLM
 `/reset_prefix_cache`; SGLang `/v1/loads`, `/get_load`, `/flush_cache`, `/health_generate`)
-and the simulator's own `/sim/stats` and `/sim/faults`. Inference requests pass through the
-fault injector first; everything else is never faulted.
+and the simulator's own `/sim/stats` and `/sim/faults` (and `/sim/kv-events/faults` when the
+engine publishes KV events). Inference requests pass through the fault injector first;
+everything else is never faulted.
 """
 
 import asyncio
@@ -18,6 +19,11 @@ from .connection import DisconnectWatch, abort_connection
 from .embeddings import embeddings_response
 from .engine_core import ABORTED, EngineCore
 from .faults import Fault
+from .http_io import JSON_HEADERS as _JSON
+from .http_io import read_body as _read_body
+from .http_io import respond as _respond
+from .kv_event_publisher import KvEventPublisher
+from .kv_event_routes import kv_event_fault_routes
 from .metrics import render_metrics
 from .openai_api import (
     CHAT,
@@ -36,7 +42,6 @@ from .stats import EngineCounters
 
 Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-_JSON = [(b"content-type", b"application/json")]
 _SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 _DONE = b"data: [DONE]\n\n"
 _GARBAGE_EVENT = b'data: {"choices": [{"delta": {"content": "unterminated\n\n'
@@ -44,27 +49,6 @@ _GARBAGE_EVENT = b'data: {"choices": [{"delta": {"content": "unterminated\n\n'
 
 def _event(payload: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
-
-
-async def _read_body(receive: Receive) -> bytes:
-    chunks = []
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            break
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            break
-    return b"".join(chunks)
-
-
-async def _respond(send: Send, status: int, body: bytes, headers: list | None = None) -> None:
-    headers = [
-        *(headers if headers is not None else _JSON),
-        (b"content-length", str(len(body)).encode()),
-    ]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
 
 
 class EngineApp:
@@ -78,6 +62,7 @@ class EngineApp:
         draw_fault: Callable[[], Fault | None],
         apply_fault: Callable[[Fault | None], None],
         describe_faults: Callable[[], dict[str, Any]],
+        kv_events: KvEventPublisher | None = None,
     ) -> None:
         self._options = options
         self._core = core
@@ -107,6 +92,8 @@ class EngineApp:
             }
         else:
             self._routes[("POST", "/reset_prefix_cache")] = self._reset_prefix_cache
+        if kv_events is not None:
+            self._routes |= kv_event_fault_routes(core, kv_events)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -196,7 +183,7 @@ class EngineApp:
         await _respond(send, 200, orjson.dumps([load]))
 
     async def _reset_prefix_cache(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self._core.pool.reset_prefix_cache()
+        self._core.reset_prefix_cache()
         await _respond(send, 200, b"", [])
 
     async def _stats(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -7,7 +7,8 @@ lowest-priority (for FCFS: newest) running request is preempted: its blocks are 
 it goes back to the waiting queue to be recomputed. A step then "runs" for
     (step_seconds + prefill tokens x prefill_token_seconds + decodes x decode_seq_seconds)
     / speed
-and every request whose computed tokens caught up samples its next token.
+and every request whose computed tokens caught up samples its next token. With a KV-event
+publisher, the blocks the step cached or evicted are published as one batch at its end.
 
 Immediate profiles (`fast`) bypass the queue: a request is served in full inside `submit`,
 still going through prefix matching so cached-token counts and metrics stay truthful.
@@ -18,6 +19,7 @@ import bisect
 import contextlib
 
 from .kv_cache import BlockPool, extend_block_hashes
+from .kv_event_publisher import KvEventFault, KvEventPublisher
 from .options import EngineOptions
 from .sequence import GenerationRequest
 from .stats import EngineCounters
@@ -29,13 +31,19 @@ ABORTED = "abort"
 class EngineCore:
     """Owns the KV pool, the waiting and running queues and the step loop of one engine."""
 
-    def __init__(self, options: EngineOptions, counters: EngineCounters) -> None:
+    def __init__(
+        self,
+        options: EngineOptions,
+        counters: EngineCounters,
+        kv_events: KvEventPublisher | None = None,
+    ) -> None:
         self._options = options
         self._timing = options.timing
         self._counters = counters
         self._generator = TextGenerator(options.seed)
         self._block_size = options.block_size
-        self.pool = BlockPool(options.kv_blocks, options.block_size)
+        self._kv_events = kv_events
+        self.pool = BlockPool(options.kv_blocks, options.block_size, kv_events)
         self.waiting: list[GenerationRequest] = []
         self.running: list[GenerationRequest] = []
         self._work_arrived = asyncio.Event()
@@ -66,6 +74,7 @@ class EngineCore:
         """Queue `request` (or, for immediate profiles, serve it to completion now)."""
         if self._timing.immediate:
             self._serve_immediately(request)
+            self._publish_kv_events()
             return
         bisect.insort(self.waiting, request, key=lambda queued: queued.schedule_key)
         self._work_arrived.set()
@@ -84,6 +93,25 @@ class EngineCore:
             self._counters.requests_aborted += 1
         self._finish(request, ABORTED)
         self._work_arrived.set()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (published as `AllBlocksCleared`)."""
+        self.pool.reset_prefix_cache()
+        self._publish_kv_events()
+
+    def set_kv_event_fault(self, fault: KvEventFault | None) -> None:
+        """Set or clear (None) an event-stream fault; `restart` acts at once, as a restarted
+        engine would look to subscribers: empty cache, new salt, sequence from 0."""
+        assert self._kv_events is not None, "kv events are off"
+        if fault is not None and fault.mode == "restart":
+            self.pool.reset_prefix_cache()
+            self._kv_events.restart()
+        else:
+            self._kv_events.fault = fault
+
+    def _publish_kv_events(self) -> None:
+        if self._kv_events is not None:
+            self._kv_events.flush()
 
     @property
     def num_used_tokens(self) -> int:
@@ -104,6 +132,7 @@ class EngineCore:
             if not batch:
                 # Everything running was preempted; admission resumes next step. If nothing
                 # runs at all, only a new arrival or an abort can change the picture.
+                self._publish_kv_events()  # evictions made before the preemptions
                 self._work_arrived.clear()
                 if self.running:
                     await asyncio.sleep(0)
@@ -112,6 +141,7 @@ class EngineCore:
                 continue
             await asyncio.sleep(max(0.0, started + self._step_seconds(batch) - loop.time()))
             self._complete_step(batch, loop.time())
+            self._publish_kv_events()
 
     def _step_seconds(self, batch: list[tuple[GenerationRequest, int]]) -> float:
         timing = self._timing
@@ -247,9 +277,33 @@ class EngineCore:
             self._block_size,
             request.params.cache_salt,
         )
-        for index in range(request.num_registered_blocks, full):
-            self.pool.register(request.blocks[index], request.block_hashes[index])
+        first = request.num_registered_blocks
+        cached = [
+            index
+            for index in range(first, full)
+            if self.pool.register(request.blocks[index], request.block_hashes[index])
+        ]
         request.num_registered_blocks = full
+        if self._kv_events is not None and cached:
+            self._record_stored(request, cached)
+
+    def _record_stored(self, request: GenerationRequest, cached: list[int]) -> None:
+        """One `BlockStored` per run of consecutive newly cached blocks (a block another
+        already caches is skipped, so its successor starts a new run)."""
+        assert self._kv_events is not None
+        size = self._block_size
+        hashes = request.block_hashes
+        start = 0
+        for position in range(1, len(cached) + 1):
+            if position < len(cached) and cached[position] == cached[position - 1] + 1:
+                continue
+            first, last = cached[start], cached[position - 1]
+            self._kv_events.stored(
+                hashes[first : last + 1],
+                hashes[first - 1] if first else None,
+                request.all_tokens[first * size : (last + 1) * size],
+            )
+            start = position
 
     def _free_blocks(self, request: GenerationRequest) -> None:
         self.pool.release(request.blocks)

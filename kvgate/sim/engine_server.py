@@ -2,7 +2,8 @@
 listener that can be shut.
 
 `SimEngine` is the per-engine handle: `url`, `port`, `stats()`, `set_fault()` and
-`clear_fault()`. Fault changes may be made from any thread; they take effect before the call
+`clear_fault()`; with KV events on, `kv_events` (its `url`, `replay_url`) and
+`set_kv_event_fault()`. Fault changes may be made from any thread; they take effect before the call
 returns (a `refuse` fault has closed the listening socket; clearing it has bound the same
 port again, so connections queue in its backlog until the accept loop resumes).
 """
@@ -20,6 +21,7 @@ import uvicorn
 from .engine_app import EngineApp
 from .engine_core import EngineCore
 from .faults import REFUSE, Fault, FaultInjector
+from .kv_event_publisher import KvEventFault, KvEventPublisher
 from .options import EngineOptions
 from .stats import EngineCounters
 
@@ -56,6 +58,7 @@ class SimEngine:
         self._server: uvicorn.Server | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._listener_tasks: set[asyncio.Task[None]] = set()
+        self.kv_events: KvEventPublisher | None = None
 
     @property
     def url(self) -> str:
@@ -71,7 +74,9 @@ class SimEngine:
     async def start(self) -> None:
         """Bind the port, start uvicorn and the engine core on the running loop."""
         self._loop = asyncio.get_running_loop()
-        self._core = EngineCore(self.options, self.counters)
+        if self.options.kv_events:
+            self.kv_events = self._bind_kv_events()
+        self._core = EngineCore(self.options, self.counters, self.kv_events)
         self._app = EngineApp(
             self.options,
             self._core,
@@ -79,6 +84,7 @@ class SimEngine:
             self._faults.draw,
             self._apply_fault,
             self._describe_faults,
+            self.kv_events,
         )
         config = uvicorn.Config(
             self._app,
@@ -91,11 +97,18 @@ class SimEngine:
         config.load()
         server = uvicorn.Server(config)
         server.lifespan = config.lifespan_class(config)
-        sock = _listening_socket(self.host, self.port)
+        try:
+            sock = _listening_socket(self.host, self.port)
+        except OSError:
+            if self.kv_events is not None:
+                await self.kv_events.close()
+            raise
         self.port = sock.getsockname()[1]
         await server.startup(sockets=[sock])
         self._server = server
         self._core.start()
+        if self.kv_events is not None:
+            self.kv_events.start()
         if self.options.fault is not None:
             self._apply_fault(Fault.from_json(self.options.fault))
 
@@ -108,6 +121,19 @@ class SimEngine:
                 await task
         await self._core.close()
         await self._server.shutdown()
+        if self.kv_events is not None:
+            await self.kv_events.close()
+
+    def _bind_kv_events(self) -> KvEventPublisher:
+        """PUB and replay on the HTTP port + their offsets; both ephemeral when the HTTP port
+        is (an offset from an arbitrary port may be taken or out of range)."""
+        options = self.options
+        publisher = KvEventPublisher(
+            options.kv_events_encoding, options.block_size, options.kv_events_replay_batches
+        )
+        offsets = (options.kv_events_port_offset, options.kv_events_replay_port_offset)
+        publisher.bind(self.host, *(self.port + offset if self.port else 0 for offset in offsets))
+        return publisher
 
     # --- observation and faults (callable from any thread) ---------------------------
 
@@ -135,6 +161,13 @@ class SimEngine:
     def clear_fault(self) -> None:
         """Clear the fault; a refusing engine accepts connections on its port again."""
         self._in_loop(self._apply_fault, None)
+
+    def set_kv_event_fault(self, fault: KvEventFault | dict[str, Any] | None) -> None:
+        """Set (a `KvEventFault` or its JSON form) or clear (None) an event-stream fault;
+        `restart` acts at once. Only for engines started with KV events."""
+        if isinstance(fault, dict):
+            fault = KvEventFault.from_json(fault)
+        self._in_loop(self.core.set_kv_event_fault, fault)
 
     def _in_loop(self, function: Callable[..., _Result], *args: Any) -> _Result:
         assert self._loop is not None, "engine not started"

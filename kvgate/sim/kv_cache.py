@@ -9,8 +9,19 @@ forgotten) only when a new allocation needs them.
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Protocol
 
 BlockHash = int
+
+
+class EvictionListener(Protocol):
+    """Told when cached blocks stop being cached (the KV-event publisher)."""
+
+    def removed(self, block_hashes: list[BlockHash]) -> None:
+        """`block_hashes` were evicted to make room for an allocation."""
+
+    def cleared(self) -> None:
+        """Every cached block was forgotten (prefix cache reset)."""
 
 
 def extend_block_hashes(
@@ -36,11 +47,14 @@ def extend_block_hashes(
 class BlockPool:
     """Fixed pool of KV blocks; all methods are O(blocks touched)."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, listener: EvictionListener | None = None
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self._listener = listener
         self._ref_counts = [0] * num_blocks
         self._hash_of_block: list[BlockHash | None] = [None] * num_blocks
         self._block_of_hash: dict[BlockHash, int] = {}
@@ -83,25 +97,32 @@ class BlockPool:
         if count > len(self._free):
             return None
         blocks = []
+        evicted = []
         for _ in range(count):
             block, _ = self._free.popitem(last=False)
             old_hash = self._hash_of_block[block]
             if old_hash is not None:
                 del self._block_of_hash[old_hash]
                 self._hash_of_block[block] = None
+                evicted.append(old_hash)
             self._ref_counts[block] = 1
             blocks.append(block)
+        if evicted and self._listener is not None:
+            self._listener.removed(evicted)
         return blocks
 
-    def register(self, block: int, block_hash: BlockHash) -> None:
-        """Record that the full `block` holds the tokens `block_hash` names.
+    def register(self, block: int, block_hash: BlockHash) -> bool:
+        """Record that the full `block` holds the tokens `block_hash` names; True if it is
+        now cached under that hash.
 
         When another block already holds the same content, the first one stays the cached
-        copy and `block` remains anonymous (it is simply freed later).
+        copy and `block` remains anonymous (it is simply freed later): False.
         """
-        if block_hash not in self._block_of_hash and self._hash_of_block[block] is None:
-            self._block_of_hash[block_hash] = block
-            self._hash_of_block[block] = block_hash
+        if block_hash in self._block_of_hash or self._hash_of_block[block] is not None:
+            return False
+        self._block_of_hash[block_hash] = block
+        self._hash_of_block[block] = block_hash
+        return True
 
     def release(self, blocks: Sequence[int]) -> None:
         """Drop one reference on each of `blocks`.
@@ -118,3 +139,5 @@ class BlockPool:
         """Forget every cached hash (referenced blocks keep their contents but stop sharing)."""
         self._block_of_hash.clear()
         self._hash_of_block = [None] * self.num_blocks
+        if self._listener is not None:
+            self._listener.cleared()

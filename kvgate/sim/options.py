@@ -3,6 +3,8 @@
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .kv_event_wire import KV_EVENT_ENCODINGS, KvEventEncoding
+
 Flavor = Literal["vllm", "sglang"]
 ProfileName = Literal["realistic", "fast"]
 
@@ -13,6 +15,13 @@ BLOCK_SIZE = 16
 # that is about 430k tokens, i.e. about 27k blocks of 16 tokens.
 DEFAULT_KV_BLOCKS = 27_000
 DEFAULT_MAX_MODEL_LEN = 32_768
+KV_EVENTS_PORT_OFFSET = 1000
+# Not PUB + 1: engines listen on consecutive ports, so one engine's PUB + 1 is the next
+# engine's PUB port.
+KV_EVENTS_REPLAY_PORT_OFFSET = 2000
+# vLLM keeps 10,000 batches for replay; a tenth keeps many in-process engines with long
+# prompts (tens of kB per batch) within memory while covering seconds of traffic.
+KV_EVENTS_REPLAY_BATCHES = 1000
 
 
 @dataclass(frozen=True)
@@ -49,6 +58,9 @@ class EngineOptions:
     `max_model_len=None` means min(32768, what fits in the KV cache); an explicit value
     larger than the KV cache is rejected, as vLLM refuses to start in that case.
     `fault` is a fault spec such as `{"mode": "http_error", "status": 503}` applied at start.
+    `kv_events` publishes KV-cache events over ZMQ on the HTTP port + `kv_events_port_offset`
+    in `kv_events_encoding`, and replays up to `kv_events_replay_batches` recent batches on
+    the HTTP port + `kv_events_replay_port_offset`.
     """
 
     flavor: Flavor = "vllm"
@@ -64,6 +76,11 @@ class EngineOptions:
     scheduling_policy: Literal["fcfs", "priority"] = "priority"
     embedding_dim: int = 384
     fault: dict | None = None
+    kv_events: bool = False
+    kv_events_port_offset: int = KV_EVENTS_PORT_OFFSET
+    kv_events_replay_port_offset: int = KV_EVENTS_REPLAY_PORT_OFFSET
+    kv_events_encoding: KvEventEncoding = "array"
+    kv_events_replay_batches: int = KV_EVENTS_REPLAY_BATCHES
 
     def __post_init__(self) -> None:
         if self.flavor not in ("vllm", "sglang"):
@@ -76,6 +93,13 @@ class EngineOptions:
             raise ValueError("speed must be positive")
         if self.kv_blocks < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("kv_blocks, max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.kv_events_encoding not in KV_EVENT_ENCODINGS:
+            raise ValueError(f"unknown kv events encoding {self.kv_events_encoding!r}")
+        offsets = (self.kv_events_port_offset, self.kv_events_replay_port_offset)
+        if min(offsets) < 1 or self.kv_events_replay_batches < 1:
+            raise ValueError("kv events port offsets and replay batches must be >= 1")
+        if offsets[0] == offsets[1]:
+            raise ValueError("kv events PUB and replay sockets need different port offsets")
         capacity = self.kv_blocks * self.block_size
         if self.max_model_len is None:
             self.max_model_len = min(DEFAULT_MAX_MODEL_LEN, capacity)

@@ -7,6 +7,8 @@ Concatenating the tokens of a text gives the text back exactly.
 """
 
 import re
+import zlib
+from collections.abc import Sequence
 
 # Alternatives are tried in order at each position; together they match every character.
 _TOKEN_PATTERN = re.compile(
@@ -28,3 +30,12 @@ def tokenize(text: str) -> list[str]:
 def count_tokens(text: str) -> int:
     """Return `len(tokenize(text))`."""
     return len(_TOKEN_PATTERN.findall(text))
+
+
+def token_ids(tokens: Sequence[str]) -> list[int]:
+    """Integer ids of `tokens`: the CRC-32 of each token's UTF-8 text.
+
+    The simulator has no vocabulary; a fixed function of the text gives every process (the
+    engine's KV events, a gateway reproducing the engine's tokens) the same ids.
+    """
+    return [zlib.crc32(token.encode()) for token in tokens]
