@@ -84,7 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-events",
         action="store_true",
-        help="publish KV-cache events over ZMQ as vLLM does with --kv-events-config",
+        help="publish KV-cache events over ZMQ as vLLM does when configured to",
     )
     parser.add_argument(
         "--kv-events-port-offset",
