@@ -3,9 +3,9 @@ listener that can be shut.
 
 `SimEngine` is the per-engine handle: `url`, `port`, `stats()`, `set_fault()` and
 `clear_fault()`; with KV events on, `kv_events` (its `url`, `replay_url`) and
-`set_kv_event_fault()`. Fault changes may be made from any thread; they take effect before the call
-returns (a `refuse` fault has closed the listening socket; clearing it has bound the same
-port again, so connections queue in its backlog until the accept loop resumes).
+`set_kv_event_fault()`. Fault changes may be made from any thread; they take effect before
+the call returns (a `refuse` fault has closed the listening socket; clearing it has bound the
+same port again, so connections queue in its backlog until the accept loop resumes).
 """
 
 import asyncio
