@@ -211,7 +211,8 @@ class SimEngine:
             server.close()
         self._server.servers = []
         for connection in list(self._server.server_state.connections):
-            cycle = connection.cycle
+            # uvicorn's HTTP protocols (h11, httptools) keep the request in `cycle`.
+            cycle = getattr(connection, "cycle", None)
             if cycle is None or cycle.response_complete:
                 connection.transport.close()  # idle: let buffered bytes out first
             else:
@@ -221,15 +222,18 @@ class SimEngine:
         assert self._server is not None and self._loop is not None
         sock = _listening_socket(self.host, self.port)
         server = self._server
-        protocol_factory = functools.partial(
-            server.config.http_protocol_class,
+        loop = self._loop
+        # uvicorn's HTTP protocol classes take these keywords (typed as plain asyncio ones).
+        protocol_class: Any = server.config.http_protocol_class
+        protocol_factory: Callable[[], asyncio.Protocol] = functools.partial(
+            protocol_class,
             config=server.config,
             server_state=server.server_state,
             app_state=server.lifespan.state,
         )
 
         async def accept() -> None:
-            server.servers.append(await self._loop.create_server(protocol_factory, sock=sock))
+            server.servers.append(await loop.create_server(protocol_factory, sock=sock))
 
         task = self._loop.create_task(accept())
         self._listener_tasks.add(task)

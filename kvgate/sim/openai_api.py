@@ -88,7 +88,7 @@ def parse_generation(kind: str, body: Any, options: EngineOptions, arrival: floa
     if kind == CHAT:
         try:
             prompt = render_chat(
-                body.get("messages"),
+                body.get("messages") or [],
                 add_generation_prompt=bool(body.get("add_generation_prompt", True)),
                 continue_final_message=bool(body.get("continue_final_message", False)),
             )
