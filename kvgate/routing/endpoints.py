@@ -408,8 +408,9 @@ class Fleet:
         jurisdictions: frozenset[str] | None = None,
     ) -> list[Endpoint]:
         """The one answer to "which endpoints can take this now": endpoints in rotation
-        (healthy, or in a pool in panic) serving `model` whose breaker admits traffic (and, with the `exclude` stale policy, whose
-        telemetry is fresh), in `pools` and `jurisdictions` if given, minus `exclude`."""
+        (healthy, or in a pool in panic) serving `model` whose breaker admits traffic (and,
+        with the `exclude` stale policy, whose telemetry is fresh), in `pools` and
+        `jurisdictions` if given, minus `exclude`."""
         return [
             e
             for e in self._healthy_by_model.get(model, ())
