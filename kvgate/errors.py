@@ -29,6 +29,7 @@ stream event.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import orjson
 
@@ -231,13 +232,15 @@ def upstream_error_from_body(
     except orjson.JSONDecodeError:
         parsed = None
     if isinstance(parsed, dict):
-        obj = parsed.get("error") if isinstance(parsed.get("error"), dict) else parsed
+        nested = parsed.get("error")
+        obj: dict[str, Any] = nested if isinstance(nested, dict) else parsed
         if isinstance(obj.get("message"), str):
             message = obj["message"]
         elif isinstance(parsed.get("detail"), str):
             message = parsed["detail"]
-        if obj.get("type") in _OPENAI_TYPES:
-            error_type = obj["type"]
+        kind = obj.get("type")
+        if isinstance(kind, str) and kind in _OPENAI_TYPES:
+            error_type = kind
         if isinstance(obj.get("param"), str):
             param = obj["param"]
         if isinstance(obj.get("code"), str):
