@@ -1,7 +1,8 @@
 """10,000 fuzzed bodies through the real gateway to a scripted upstream that records what
 reaches it: every answer is a clean OpenAI-shaped 4xx or a served answer, nothing reaches the
 engine that breaks the schema (checked here by a reference written apart from
-kvgate/message_schema.py), and whatever is served reaches the engine untouched.
+kvgate/message_schema.py), and whatever is served reaches the engine untouched (but for the
+usage request the gateway adds to every stream).
 
 Bodies are made deterministically from a seed by mutating valid ones: types swapped, keys
 deleted or added, nodes wrapped or unwrapped, nesting, huge and negative numbers, unicode,
@@ -258,6 +259,16 @@ def reference_schema_ok(route: str, body: Any) -> bool:
     return True
 
 
+def _as_forwarded(route: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The body as the gateway forwards it: untouched, except that a chat or completions
+    stream always asks the engine for usage (kvgate/upstream/usage_request.py)."""
+    options = body.get("stream_options")
+    asks = isinstance(options, dict) and options.get("include_usage") is True
+    if route in ("chat", "completions") and body.get("stream") is True and not asks:
+        return {**body, "stream_options": {**(options or {}), "include_usage": True}}
+    return body
+
+
 def _clean_error(response: httpx.Response) -> bool:
     if not 400 <= response.status_code < 500:
         return False
@@ -317,7 +328,7 @@ def test_ten_thousand_fuzzed_bodies(upstream, start_gateway):
                 counts["served"] += 1
                 assert len(reached) == 1, raw[:300]
                 assert reference_schema_ok(route, reached[0].body), raw[:300]
-                assert reached[0].body == orjson.loads(raw)  # untouched
+                assert reached[0].body == _as_forwarded(route, orjson.loads(raw))
             else:
                 counts["refused"] += 1
                 assert _clean_error(response), (response.status_code, response.text[:300])
