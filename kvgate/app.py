@@ -16,12 +16,15 @@ from collections.abc import Mapping
 
 import orjson
 
+from kvgate.admin_listener import is_admin_route, unknown_route
 from kvgate.asgi import JSON, Receive, Scope, Send, send_bytes, send_error
 from kvgate.chain.admin import AdminRoutes
 from kvgate.chain.admission import AdmissionController, AdmissionStage
 from kvgate.chain.auth import AuthStage
 from kvgate.chain.classify import Classifier, ClassifyStage
+from kvgate.chain.model_routes import ModelRoutes, is_model_route
 from kvgate.chain.pipeline import RequestChain
+from kvgate.chain.responses_gate import ResponsesStage
 from kvgate.chain.tenants import TenantDirectory
 from kvgate.config import Config, StateConfig
 from kvgate.errors import KvgateError, MethodNotAllowed, NotFound
@@ -50,7 +53,7 @@ from kvgate.upstream.transport import UpstreamTransport
 log = logging.getLogger("kvgate")
 
 _STARTUP_PROBE_SECONDS = 3.0
-_OPERATIONAL_ROUTES = frozenset({"/v1/models", "/healthz", "/readyz", "/metrics"})
+_OPERATIONAL_ROUTES = frozenset({"/healthz", "/readyz", "/metrics"})
 _PROMETHEUS = b"text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -76,7 +79,9 @@ class GatewayApp:
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self.fleet = Fleet(build_pool(p, config.routing) for p in config.pools)
+        self.fleet = Fleet(
+            (build_pool(p, config.routing) for p in config.pools), config.health.panic_threshold
+        )
         self.store = build_store(config.state)
         self.routing = RoutingServices.from_config(
             config.routing,
@@ -106,6 +111,10 @@ class GatewayApp:
             self.admission,
             config.classification.chars_per_token,
         )
+        self.models = ModelRoutes(self.fleet, self.tenants, config.server.models_require_key)
+        # With `server.admin_port` set, /metrics and /admin/* are served only there
+        # (kvgate/admin_listener.py) and are unknown routes on this, the public port.
+        self.admin_on_public_port = config.server.admin_port is None
         # httpx for the control plane (health, discovery, telemetry); aiohttp for the data path.
         self.client = build_control_client(config.upstream, config.timeouts)
         self.transport = UpstreamTransport(config.upstream, config.timeouts.connect)
@@ -125,6 +134,7 @@ class GatewayApp:
         self.chain = RequestChain(
             stages=[
                 AuthStage(self.tenants),  # 401 / 403; tenant, cache salt
+                ResponsesStage(self.fleet),  # 404 for /v1/responses where no engine serves it
                 ClassifyStage(self.classifier),  # Intent: class, deadline, priority
                 ModelFallbackStage(self.picker),  # a smaller model when the pool is saturated
                 AdmissionStage(self.admission),  # 429 quotas; waits or 503 when saturated
@@ -145,6 +155,10 @@ class GatewayApp:
             route = INFERENCE_ROUTES.get(scope["path"])
             if route is not None:
                 await self._inference(route, scope, receive, send)
+            elif is_model_route(scope["path"]):
+                await self.models(scope, send)
+            elif not self.admin_on_public_port and is_admin_route(scope["path"]):
+                await send_error(send, unknown_route(scope))
             elif scope["path"].startswith("/admin/"):
                 await self.admin(scope, receive, send)
             else:
@@ -258,13 +272,7 @@ class GatewayApp:
                 [(b"allow", b"GET")],
             )
             return
-        if path == "/v1/models":
-            data = [
-                {"id": m, "object": "model", "created": 0, "owned_by": "kvgate"}
-                for m in self.fleet.served_models()
-            ]
-            await send_bytes(send, 200, orjson.dumps({"object": "list", "data": data}), JSON)
-        elif path == "/healthz":
+        if path == "/healthz":
             await send_bytes(send, 200, b'{"status":"ok"}', JSON)
         elif path == "/readyz":
             unready = self.fleet.unready_pools()

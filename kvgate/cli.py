@@ -10,7 +10,7 @@ import os
 import socket
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
@@ -18,6 +18,9 @@ from kvgate import __version__
 from kvgate.config import Config, ConfigError, load_config, parse_config
 from kvgate.routing.policy import RoutingPolicy
 from kvgate.routing.policy_catalog import BUILTIN, load_policies, shipped_names, shipped_text
+
+if TYPE_CHECKING:
+    from kvgate.app import GatewayApp
 
 DEMO_MODEL = "sim-model"
 DEMO_ENGINES = 2
@@ -73,6 +76,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     port = args.port if args.port is not None else config.server.port
     _setup_logging(args.log_level)
     if args.workers > 1:
+        if config.server.admin_port is not None:
+            print(
+                "kvgate serve: server.admin_port needs one worker (each worker would need a "
+                "port of its own); run one worker, or drop admin_port and firewall /metrics "
+                "and /admin/* at the proxy in front",
+                file=sys.stderr,
+            )
+            return 1
         if config.state.backend == "memory":
             print(
                 f"kvgate serve: --workers {args.workers} needs shared state: with "
@@ -92,8 +103,36 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         )
         return 0
     app = GatewayApp(config)
-    uvicorn.Server(uvicorn.Config(app, **_uvicorn_options(host, port, args.log_level))).run()
+    public = uvicorn.Server(uvicorn.Config(app, **_uvicorn_options(host, port, args.log_level)))
+    if config.server.admin_port is None:
+        public.run()
+        return 0
+    admin_port = config.server.admin_port
+    admin = uvicorn.Server(admin_listener_config(app, host, admin_port, args.log_level))
+    with asyncio.Runner(loop_factory=public.config.get_loop_factory()) as runner:
+        runner.run(serve_with_admin(public, admin))
     return 0
+
+
+def admin_listener_config(app: GatewayApp, host: str, port: int, log_level: str) -> uvicorn.Config:
+    """The admin port's server: `AdminListener` over the gateway's admin routes and metrics,
+    no lifespan (the public server runs the gateway's)."""
+    from kvgate.admin_listener import AdminListener
+
+    options = {**_uvicorn_options(host, port, log_level), "lifespan": "off"}
+    return uvicorn.Config(AdminListener(app.admin, app.metrics.render), **options)
+
+
+async def serve_with_admin(public: uvicorn.Server, admin: uvicorn.Server) -> None:
+    """Both listeners on one event loop. The admin server starts first, so the public one
+    installs its signal handlers last and gets Ctrl+C / SIGTERM; the admin one stops with it."""
+    admin_task = asyncio.create_task(admin.serve())
+    await asyncio.sleep(0)  # let the admin server install its signal handlers first
+    try:
+        await public.serve()
+    finally:
+        admin.should_exit = True
+        await admin_task
 
 
 def _cmd_check_config(args: argparse.Namespace) -> int:

@@ -50,6 +50,10 @@ class ServerConfig(_Strict):
     port: int = Field(8080, ge=0, le=65535)
     max_body_bytes: int = Field(10 * 1024 * 1024, gt=0)
     access_log: bool = True
+    # A second listener for /metrics and /admin/* only (then unknown on `port`).
+    admin_port: int | None = Field(None, ge=0, le=65535)
+    # GET /v1/models[/{id}] need a valid key (and list only the models the key may use).
+    models_require_key: bool = False
 
 
 class TierTimeouts(_Strict):
@@ -80,9 +84,17 @@ class UpstreamConfig(_Strict):
 
 
 class HealthConfig(_Strict):
+    """Active health checks (docs/resilience.md). Envoy's names and defaults: unhealthy after
+    `unhealthy_threshold` failed probes in a row, healthy again after `healthy_threshold`
+    good ones; a pool with fewer than `panic_threshold` of its endpoints healthy routes
+    across all of them (0: never)."""
+
     interval: float = Field(5.0, gt=0)
     timeout: float = Field(2.0, gt=0)
     discovery_interval: float = Field(30.0, gt=0)
+    unhealthy_threshold: int = Field(3, ge=1)
+    healthy_threshold: int = Field(2, ge=1)
+    panic_threshold: float = Field(0.5, ge=0, le=1)
 
 
 class EndpointConfig(_Strict):
@@ -108,6 +120,8 @@ class PoolConfig(_Strict):
     endpoints: list[EndpointConfig] = Field(min_length=1)
     # Opt-in: a stream broken mid-way continues on another endpoint (docs/resilience.md).
     resume: bool = False
+    # Whether the engines serve POST /v1/responses; unset: vLLM pools do, others do not.
+    responses: bool | None = None
 
 
 class RetryConfig(_Strict):

@@ -2,34 +2,41 @@
 
     KvgateError                      every error a client can receive from kvgate
     ├── ClientError                  the client was wrong (4xx); never counts against an engine
-    │   ├── InvalidRequest           400 invalid_request_error (param names the field)
-    │   ├── AuthenticationFailed     401 authentication_error
-    │   ├── PermissionDenied         403 permission_error
-    │   ├── NotFound                 404 not_found_error (model_not_found, unknown route)
-    │   ├── MethodNotAllowed         405 invalid_request_error
-    │   └── PayloadTooLarge          413 invalid_request_error
+    │   ├── InvalidRequest           400 (param names the field)
+    │   ├── AuthenticationFailed     401
+    │   ├── PermissionDenied         403
+    │   ├── NotFound                 404 (model_not_found, unknown route)
+    │   ├── MethodNotAllowed         405
+    │   └── PayloadTooLarge          413
     ├── GatewayRefused               kvgate chose not to run the request now
-    │   ├── RateLimited              429 rate_limit_error (quota), with Retry-After
-    │   └── Overloaded               503 overloaded_error (no capacity), with Retry-After
+    │   ├── RateLimited              429 (quota), with Retry-After
+    │   └── Overloaded               503 (no capacity), with Retry-After
     ├── UpstreamFailed               an engine failed or misbehaved
     │   ├── UpstreamError            the engine answered with an error: its status and message
     │   ├── UpstreamUnavailable      502 could not connect / connection broke before an answer
     │   ├── UpstreamTimeout          504 connect, first-token, stall or total deadline
     │   └── UpstreamProtocolError    502 the engine's answer could not be understood
-    └── GatewayBug                   500 internal_error: a defect in kvgate itself
+    └── GatewayBug                   500 a defect in kvgate itself
 
-`to_body()` renders the OpenAI shape `{"error": {"message", "type", "param", "code"}}`;
-`to_sse()` renders the same object as a terminal stream event.
+`type` uses OpenAI's vocabulary (`invalid_request_error` for every 4xx but 429, `requests` or
+`tokens` for 429, `server_error` for 5xx). `code` is kvgate's reason (access log, metrics,
+retry policy); `wire_code()` is what the client sees: the same string, or OpenAI's code for the
+same case where OpenAI has one (docs/errors.md lists both side by side). `to_body()` renders
+`{"error": {"message", "type", "param", "code"}}`; `to_sse()` the same object as a terminal
+stream event.
 """
 
 from __future__ import annotations
+
+import re
+from typing import Any
 
 import orjson
 
 
 class KvgateError(Exception):
     status: int = 500
-    type: str = "internal_error"
+    type: str = "server_error"
     default_code: str = "internal_error"
 
     def __init__(
@@ -46,13 +53,17 @@ class KvgateError(Exception):
         self.code = code if code is not None else self.default_code
         self.retry_after = retry_after
 
+    def wire_code(self) -> str | None:
+        """The `code` the client sees: always a string or null."""
+        return self.code if isinstance(self.code, str) else None
+
     def to_dict(self) -> dict[str, object]:
         return {
             "error": {
                 "message": self.message,
                 "type": self.type,
                 "param": self.param,
-                "code": self.code,
+                "code": self.wire_code(),
             }
         }
 
@@ -80,19 +91,20 @@ class InvalidRequest(ClientError):
 
 class AuthenticationFailed(ClientError):
     status = 401
-    type = "authentication_error"
     default_code = "invalid_api_key"
+
+    def wire_code(self) -> str | None:
+        # OpenAI answers a request without a key with code null.
+        return None if self.code == "missing_api_key" else super().wire_code()
 
 
 class PermissionDenied(ClientError):
     status = 403
-    type = "permission_error"
     default_code = "permission_denied"
 
 
 class NotFound(ClientError):
     status = 404
-    type = "not_found_error"
     default_code = "not_found"
 
 
@@ -111,20 +123,32 @@ class GatewayRefused(KvgateError):
 
 
 class RateLimited(GatewayRefused):
+    """A tenant's allowance is used up. OpenAI's shape: `type` names the limit (`tokens` for
+    the token quota, `requests` otherwise), `code` is always `rate_limit_exceeded`; kvgate's
+    reason (`requests_per_minute_exceeded`, `max_concurrent_exceeded`…) stays in `code`."""
+
     status = 429
-    type = "rate_limit_error"
+    type = "requests"
     default_code = "rate_limit_exceeded"
+
+    def __init__(
+        self, message: str, *, code: str | None = None, retry_after: float | None = None
+    ) -> None:
+        super().__init__(message, code=code, retry_after=retry_after)
+        if self.code == "tokens_per_minute_exceeded":
+            self.type = "tokens"
+
+    def wire_code(self) -> str | None:
+        return "rate_limit_exceeded"
 
 
 class Overloaded(GatewayRefused):
     status = 503
-    type = "overloaded_error"
     default_code = "overloaded"
 
 
 class UpstreamFailed(KvgateError):
     status = 502
-    type = "upstream_error"
     default_code = "upstream_error"
 
 
@@ -146,6 +170,10 @@ class UpstreamError(UpstreamFailed):
         if error_type:
             self.type = error_type
 
+    def wire_code(self) -> str | None:
+        # The engine's own string code, or null: never kvgate's internal default.
+        return None if self.code == self.default_code else super().wire_code()
+
 
 class UpstreamUnavailable(UpstreamFailed):
     default_code = "upstream_unavailable"
@@ -162,40 +190,71 @@ class UpstreamProtocolError(UpstreamFailed):
 
 class GatewayBug(KvgateError):
     status = 500
-    type = "internal_error"
     default_code = "internal_error"
+
+    def wire_code(self) -> str | None:
+        return None  # as OpenAI's own 500s
+
+
+# Engines' error types that are already OpenAI's; others (vLLM's `BadRequestError`…) are
+# replaced by the type OpenAI uses for the status.
+_OPENAI_TYPES = frozenset(
+    {"invalid_request_error", "server_error", "requests", "tokens", "insufficient_quota"}
+)
+# vLLM: "This model's maximum context length is N tokens. However, you requested M tokens…",
+# newer vLLM: "…is too long to fit into the model (context length N)"; SGLang: "The input (N
+# tokens) is longer than the model's context length (M tokens)."
+_CONTEXT_LENGTH = re.compile(
+    r"maximum context length|longer than the model's context length|too long to fit into the model",
+    re.IGNORECASE,
+)
+
+
+def _openai_type(status: int) -> str:
+    if status == 429:
+        return "requests"
+    return "server_error" if status >= 500 else "invalid_request_error"
 
 
 def upstream_error_from_body(
     status: int, body: bytes, retry_after: float | None = None
 ) -> UpstreamError:
-    """Translate an engine's error body (vLLM nested, SGLang/old-vLLM flat) into OpenAI shape."""
+    """Translate an engine's error body (vLLM nested, SGLang/old-vLLM flat) into OpenAI's
+    shape and vocabulary: the type OpenAI uses for the status, `code` a string or null (the
+    HTTP status vLLM puts there is dropped), a too-long prompt `context_length_exceeded` with
+    `param: "messages"`, an unknown model `model_not_found`."""
     message = f"upstream returned HTTP {status}"
     error_type: str | None = None
     param: str | None = None
-    code: str | int | None = status
+    code: str | None = None
     try:
         parsed = orjson.loads(body) if body else None
     except orjson.JSONDecodeError:
         parsed = None
     if isinstance(parsed, dict):
-        obj = parsed.get("error") if isinstance(parsed.get("error"), dict) else parsed
+        nested = parsed.get("error")
+        obj: dict[str, Any] = nested if isinstance(nested, dict) else parsed
         if isinstance(obj.get("message"), str):
             message = obj["message"]
         elif isinstance(parsed.get("detail"), str):
             message = parsed["detail"]
-        if isinstance(obj.get("type"), str):
-            error_type = obj["type"]
+        kind = obj.get("type")
+        if isinstance(kind, str) and kind in _OPENAI_TYPES:
+            error_type = kind
         if isinstance(obj.get("param"), str):
             param = obj["param"]
-        if isinstance(obj.get("code"), str | int) and not isinstance(obj.get("code"), bool):
+        if isinstance(obj.get("code"), str):
             code = obj["code"]
     elif body:
         message = f"upstream returned HTTP {status}: {body[:200].decode(errors='replace')}"
+    if status == 400 and code is None and _CONTEXT_LENGTH.search(message):
+        code, param = "context_length_exceeded", "messages"
+    elif status == 404 and code is None and "model" in message.lower():
+        code = "model_not_found"
     return UpstreamError(
         message,
         status=status,
-        error_type=error_type,
+        error_type=error_type or _openai_type(status),
         param=param,
         code=code,
         retry_after=retry_after,

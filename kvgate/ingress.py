@@ -1,7 +1,9 @@
 """Ingress: read the body within its limit, parse it once, check the fields kvgate relies on.
 
-Only what the gateway itself needs is validated here (model, the prompt carrier, stream flags,
-token counts); every other field passes through untouched for the engine to judge.
+What the gateway itself relies on is validated here, before auth and admission do any work:
+model, the prompt carrier (chat messages as OpenAI shapes them, kvgate/message_schema.py;
+completion prompts; embedding inputs), stream flags, token counts. Every other field passes
+through untouched for the engine to judge.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import orjson
 
 from kvgate.asgi import Receive
 from kvgate.errors import InvalidRequest, PayloadTooLarge
+from kvgate.message_schema import check_message
 from kvgate.prompt_view import PromptView
 from kvgate.request_options import RequestOptions, parse_request_options
 from kvgate.types import Headers, RequestContext
@@ -21,6 +24,7 @@ INFERENCE_ROUTES: dict[str, str] = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
     "/v1/embeddings": "embeddings",
+    "/v1/responses": "responses",
 }
 
 
@@ -55,6 +59,9 @@ async def read_body(headers: list[tuple[bytes, bytes]], receive: Receive, limit:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
+_MAX_DEPTH = 254
+
+
 class ClientGone(Exception):
     """The client disconnected before its request was read: nothing to answer."""
 
@@ -85,16 +92,7 @@ def _check_messages(payload: dict[str, Any]) -> None:
             "'messages' must be a non-empty array", param="messages", code="invalid_type"
         )
     for i, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise InvalidRequest(
-                f"messages[{i}] must be an object", param=f"messages[{i}]", code="invalid_type"
-            )
-        if not isinstance(message.get("role"), str):
-            raise InvalidRequest(
-                f"messages[{i}].role must be a string",
-                param=f"messages[{i}].role",
-                code="invalid_type",
-            )
+        check_message(message, f"messages[{i}]")
 
 
 def _is_prompt(value: Any) -> bool:
@@ -156,21 +154,80 @@ def _check_common(payload: dict[str, Any]) -> bool:
     return stream
 
 
+def _check_depth(body: bytes, payload: dict[str, Any]) -> None:
+    """The gateway re-serialises bodies (tenant cache salt, stream resume, prompt text for
+    routing) with orjson, which stops at 254 levels of nesting: deeper bodies are refused here
+    rather than failing later. Only a body with that many brackets can be that deep, so the
+    common case costs two byte counts."""
+    if body.count(b"[") + body.count(b"{") < _MAX_DEPTH:
+        return
+    try:
+        orjson.dumps(payload)
+    except TypeError:
+        raise InvalidRequest(
+            f"request body is nested more than {_MAX_DEPTH} levels deep", code="invalid_json"
+        ) from None
+
+
+def _check_tools(payload: dict[str, Any]) -> None:
+    tools = payload.get("tools")
+    if tools is not None and not (
+        isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
+    ):
+        raise InvalidRequest(
+            "'tools' must be an array of objects", param="tools", code="invalid_type"
+        )
+
+
+def _check_response_input(payload: dict[str, Any]) -> None:
+    """OpenAI Responses `input`: a string, or a non-empty array of input items (objects)."""
+    value = payload.get("max_output_tokens")
+    if value is not None and (not _is_int(value) or value < 1):
+        raise InvalidRequest(
+            "'max_output_tokens' must be an integer of at least 1",
+            param="max_output_tokens",
+            code="invalid_value",
+        )
+    if "input" not in payload:
+        raise InvalidRequest(
+            "'input' is a required property", param="input", code="missing_required_parameter"
+        )
+    given = payload["input"]
+    if isinstance(given, str):
+        return
+    if not isinstance(given, list) or not given:
+        raise InvalidRequest(
+            "'input' must be a string or a non-empty array of input items",
+            param="input",
+            code="invalid_type",
+        )
+    for i, item in enumerate(given):
+        if not isinstance(item, dict):
+            raise InvalidRequest(
+                f"input[{i}] must be an object", param=f"input[{i}]", code="invalid_type"
+            )
+
+
 def parse_payload(route: str, body: bytes) -> tuple[dict[str, Any], str, bool]:
     """Parse the body once and return (payload, model, stream), or raise InvalidRequest."""
     try:
         payload = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise InvalidRequest(
-            f"request body is not valid JSON: {exc}", code="invalid_json"
+            f"request body is not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})",
+            code="invalid_json",
         ) from None
     if not isinstance(payload, dict):
         raise InvalidRequest("request body must be a JSON object", code="invalid_type")
+    _check_depth(body, payload)
     model = _require_str(payload, "model")
     if route == "chat":
         _check_messages(payload)
+        _check_tools(payload)
     elif route == "completions":
         _check_carrier(payload, "prompt")
+    elif route == "responses":
+        _check_response_input(payload)
     else:
         _check_carrier(payload, "input")
     stream = _check_common(payload) if route != "embeddings" else False

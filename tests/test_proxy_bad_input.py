@@ -38,23 +38,64 @@ def _assert_openai_error(
         (CHAT_URL, b'{"model": "m1", "messages": "hi"}', "messages"),
         (CHAT_URL, b'{"model": "m1", "messages": ["hi"]}', "messages[0]"),
         (CHAT_URL, b'{"model": "m1", "messages": [{"content": "hi"}]}', "messages[0].role"),
-        (CHAT_URL, b'{"model": "m1", "messages": [{"role": "user"}], "stream": "yes"}', "stream"),
         (
             CHAT_URL,
-            b'{"model": "m1", "messages": [{"role": "user"}], "max_tokens": "9"}',
+            b'{"model": "m1", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}',
+            "stream",
+        ),
+        (
+            CHAT_URL,
+            b'{"model": "m1", "messages": [{"role": "user", "content": "x"}], "max_tokens": "9"}',
             "max_tokens",
         ),
         (
             CHAT_URL,
-            b'{"model": "m1", "messages": [{"role": "user"}], "max_tokens": 0}',
+            b'{"model": "m1", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}',
             "max_tokens",
         ),
-        (CHAT_URL, b'{"model": "m1", "messages": [{"role": "user"}], "n": true}', "n"),
         (
             CHAT_URL,
-            b'{"model": "m1", "messages": [{"role": "user"}], '
+            b'{"model": "m1", "messages": [{"role": "user", "content": "x"}], "n": true}',
+            "n",
+        ),
+        (
+            CHAT_URL,
+            b'{"model": "m1", "messages": [{"role": "user", "content": "x"}], '
             b'"stream_options": {"include_usage": true}}',
             "stream_options",
+        ),
+        (CHAT_URL, b'{"model": "m1", "messages": [{"role": "user"}]}', "messages[0].content"),
+        (
+            CHAT_URL,
+            b'{"model": "m1", "messages": [{"role": "hacker", "content": "x"}]}',
+            "messages[0].role",
+        ),
+        (
+            CHAT_URL,
+            b'{"model": "m1", "messages": [{"role": "user", "content": {"a": 1}}]}',
+            "messages[0].content",
+        ),
+        (
+            CHAT_URL,
+            b'{"model": "m1", "messages": [{"role": "system", "content": "s"}, '
+            b'{"role": "user", "content": [{"text": "no type"}]}]}',
+            "messages[1].content[0].type",
+        ),
+        (
+            CHAT_URL,
+            b'{"model": "m1", "messages": [{"role": "user", "content": '
+            b'[{"type": "image_url", "image_url": {"detail": "low"}}]}]}',
+            "messages[0].content[0].image_url.url",
+        ),
+        (
+            CHAT_URL,
+            b'{"model": "m1", "messages": [{"role": "assistant", "content": null}]}',
+            "messages[0].content",
+        ),
+        (
+            CHAT_URL,
+            b'{"model": "m1", "messages": [{"role": "tool", "content": "42"}]}',
+            "messages[0].tool_call_id",
         ),
         ("/v1/completions", b'{"model": "m1"}', "prompt"),
         ("/v1/completions", b'{"model": "m1", "prompt": {"a": 1}}', "prompt"),
@@ -72,6 +113,40 @@ def test_invalid_bodies_are_400_naming_the_field(upstream, gateway, path, body, 
     _assert_openai_error(response, 400, param)
     assert engine.inference_requests == []
     assert app.fleet.endpoints[0].inflight == 0
+
+
+def test_every_shape_openai_allows_reaches_the_engine_untouched(upstream, gateway):
+    engine, _ = upstream
+    _, server = gateway
+    body = {
+        "model": "m1",
+        "messages": [
+            {"role": "developer", "content": [{"type": "text", "text": "be brief"}]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "what is this?"},
+                    {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+                    {"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}},
+                ],
+            },
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f"}}],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "42"},
+            {"role": "function", "name": "f", "content": None},
+        ],
+        "some_engine_extension": {"kept": [1, 2, 3]},
+    }
+    response = httpx.post(server.url + CHAT_URL, json=body)
+    assert response.status_code == 200, response.text
+    assert engine.inference_requests[-1].body == body
+    for prompt in ("text", ["a", "b"], [1, 2, 3], [[1, 2], [3]]):
+        completion = {"model": "m1", "prompt": prompt}
+        assert httpx.post(server.url + "/v1/completions", json=completion).status_code == 200
+        assert engine.inference_requests[-1].body == completion
 
 
 def test_body_over_limit_by_content_length_is_413(upstream, start_gateway):

@@ -123,11 +123,13 @@ def test_non_stream_answer_to_stream_request_is_a_protocol_error(upstream, gatew
     assert response.json()["error"]["code"] == "upstream_not_a_stream"
 
 
-def test_unreachable_endpoint_is_502_and_not_ready(start_gateway):
+def test_unreachable_endpoint_is_503_without_panic_and_not_ready(start_gateway):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
-    app, server = start_gateway(gateway_config([dead], pool={"models": ["m1"]}))
+    app, server = start_gateway(
+        gateway_config([dead], pool={"models": ["m1"]}, health={"panic_threshold": 0})
+    )
     ready = httpx.get(server.url + "/readyz")
     assert ready.status_code == 503
     assert ready.json()["pools_without_healthy_endpoint"] == ["default"]

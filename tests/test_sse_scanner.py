@@ -68,3 +68,19 @@ def test_oversized_event_is_a_protocol_error():
     scanner = SseScanner()
     with pytest.raises(SseProtocolError):
         scanner.feed(b"data: " + b"x" * (2 * 1024 * 1024))
+
+
+def test_a_responses_stream_ends_with_its_last_event_and_carries_usage():
+    scanner = SseScanner()
+    scanner.feed(
+        b'event: response.created\ndata: {"type":"response.created","response":{"error":null}}\n\n'
+        b"event: response.output_text.delta\n"
+        b'data: {"type":"response.output_text.delta","delta":"\\"response.completed\\""}\n\n'
+    )
+    assert not scanner.terminated  # a delta that only mentions the name ends nothing
+    scanner.feed(
+        b"event: response.completed\n"
+        b'data: {"type":"response.completed","response":{"usage":{"total_tokens":9}}}\n\n'
+    )
+    assert scanner.done and scanner.error is None
+    assert scanner.usage == {"total_tokens": 9}

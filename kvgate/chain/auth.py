@@ -1,18 +1,21 @@
 """The `auth` stage: who is asking, whether they may use this model, and tenant cache isolation.
 
-401 (authentication_error) for a missing, malformed, unknown, wrong or revoked key — unknown and
-wrong keys get the same answer after the same work (a dummy digest comparison for unknown ids),
-so response timing does not reveal which key ids exist. 403 (permission_error) for a valid key
-not allowed the requested model, or a tenant key on an admin route. Only key ids are logged.
+A key is found two ways (kvgate/chain/keys.py): by its `<id>.` prefix when that names a
+configured key id, else by the SHA-256 of the whole key. 401 for a missing, unknown, wrong or
+revoked key — unknown, malformed and wrong keys get the same answer after the same work (a dummy
+digest comparison where nothing matched), so response timing does not reveal which keys exist.
+403 for a valid key not allowed the requested model, or a tenant key on an admin route. Only
+configured key ids are logged.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 
 import orjson
 
-from kvgate.chain.keys import digests_match, parse_key, secret_digest
+from kvgate.chain.keys import digests_match, parse_key
 from kvgate.chain.tenants import KeyRecord, TenantDirectory
 from kvgate.errors import AuthenticationFailed, PermissionDenied
 from kvgate.request_options import ADMIN_KEY
@@ -21,9 +24,8 @@ from kvgate.types import Headers, RequestContext
 log = logging.getLogger("kvgate.auth")
 
 _BEARER = b"bearer "
-_DUMMY_DIGEST = secret_digest(b"kvgate-dummy-secret-for-unknown-key-ids")
 # Routes whose engines take vLLM's `cache_salt`; embeddings do not cache prefixes.
-_SALTED_ROUTES = frozenset({"chat", "completions"})
+_SALTED_ROUTES = frozenset({"chat", "completions", "responses"})
 
 
 def _bearer_token(headers: Headers) -> bytes | None:
@@ -40,6 +42,8 @@ class Authenticator:
 
     def __init__(self, directory: TenantDirectory) -> None:
         self.directory = directory
+        # What an unknown key is compared against: a digest nobody knows a preimage of.
+        self._no_key = KeyRecord("(unknown)", None, secrets.token_bytes(32), False)
 
     def verify(self, headers: Headers) -> KeyRecord:
         """The key record of a valid, unrevoked key, or AuthenticationFailed."""
@@ -51,19 +55,29 @@ class Authenticator:
             raise AuthenticationFailed(
                 "No API key provided: send 'Authorization: Bearer <key>'", code="missing_api_key"
             )
+        # Every configured key is found by its digest, so a wrong secret and an unknown key do
+        # the same work: two hashes, two dict misses, one constant-time compare against a
+        # digest nobody knows a preimage of (tests/chain/test_auth.py times both).
         presented = parse_key(token)
-        if presented is None:
-            raise AuthenticationFailed(
-                "Malformed API key: expected '<key id>.<secret>'", code="invalid_api_key"
-            )
-        record = self.directory.keys.get(presented.key_id)
-        stored = record.digest if record is not None else _DUMMY_DIGEST
-        matches = digests_match(secret_digest(presented.secret), stored)
-        if record is None or not matches:
+        no_key = self._no_key
+        by_secret = self.directory.keys_by_digest.get(presented.secret_digest, no_key)
+        by_whole = self.directory.keys_by_digest.get(presented.whole_digest, no_key)
+        # `<id>.<secret>` when the secret is that id's; else the whole key, chosen by indexing
+        # rather than a branch so both outcomes run the same bytecode.
+        record, digest = (
+            (by_whole, presented.whole_digest),
+            (by_secret, presented.secret_digest),
+        )[by_secret.key_id == presented.key_id]
+        if not digests_match(digest, record.digest) or record is no_key:
+            # Only a configured id is logged: text a client sent may be a whole secret key.
+            log.info("rejected API key id %s", record.key_id)
+            raise AuthenticationFailed("Incorrect API key provided", code="invalid_api_key")
+        if record is by_whole and self.directory.keys.get(presented.key_id, record) is not record:
+            # A key whose `<id>.` prefix names another configured key is that key's to check.
             log.info("rejected API key id %s", presented.key_id)
             raise AuthenticationFailed("Incorrect API key provided", code="invalid_api_key")
         if record.revoked:
-            log.info("rejected revoked API key id %s", presented.key_id)
+            log.info("rejected revoked API key id %s", record.key_id)
             raise AuthenticationFailed("This API key has been revoked", code="revoked_api_key")
         return record
 

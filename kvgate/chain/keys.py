@@ -1,9 +1,11 @@
-"""API keys: their format, how new ones are made, and the one way a presented key is checked.
+"""API keys: their two forms, how new ones are made, and how a presented key is split.
 
-A key is `<id>.<secret>`: `id` names the key in config and logs (1-64 of `A-Za-z0-9_-`), the
-secret is 32 random bytes in URL-safe base64 (43 characters). Config stores only the id and the
-SHA-256 (hex) of the secret; the secret is high-entropy, so a fast hash is enough. The secret is
-never logged and never leaves this module except inside the freshly made key.
+A kvgate key is `<id>.<secret>`: `id` names the key in config and logs (1-64 of `A-Za-z0-9_-`),
+the secret is 32 random bytes in URL-safe base64 (43 characters). Config stores only the id and
+the SHA-256 (hex) of the secret; the secret is high-entropy, so a fast hash is enough. A key users
+already have (`sk-gold-7Hq…`, from another gateway) is configured by the SHA-256 of the whole
+key instead. The secret is never logged and never leaves this module except inside the freshly
+made key.
 """
 
 from __future__ import annotations
@@ -20,8 +22,14 @@ _SECRET_BYTES = 32
 
 @dataclass(frozen=True, slots=True)
 class PresentedKey:
+    """A presented key split both ways: `key_id` is the text before the first `.` when it has
+    the form of a key id (else "", which names no key), `secret_digest` the SHA-256 of what
+    follows that `.` (of the whole key when there is none), `whole_digest` the SHA-256 of the
+    whole key. Both digests are always computed, so every key costs the same two hashes."""
+
     key_id: str
-    secret: bytes
+    secret_digest: bytes
+    whole_digest: bytes
 
 
 def secret_digest(secret: bytes) -> bytes:
@@ -42,18 +50,15 @@ def new_key_id(tenant: str) -> str:
     return f"{prefix}-{secrets.token_hex(3)}"
 
 
-def parse_key(raw: bytes) -> PresentedKey | None:
-    """Split `<id>.<secret>`; None when the value cannot be a kvgate key."""
+def parse_key(raw: bytes) -> PresentedKey:
+    """Split a presented key for both lookups; never fails (any bytes may be a whole key)."""
     key_id, dot, secret = raw.partition(b".")
-    if not dot or not secret or len(secret) > 512:
-        return None
-    try:
-        text_id = key_id.decode("ascii")
-    except UnicodeDecodeError:
-        return None
-    if not KEY_ID.fullmatch(text_id):
-        return None
-    return PresentedKey(text_id, secret)
+    text_id = ""
+    if dot and key_id.isascii():
+        candidate = key_id.decode("ascii")
+        if KEY_ID.fullmatch(candidate):
+            text_id = candidate
+    return PresentedKey(text_id, secret_digest(secret if dot else raw), secret_digest(raw))
 
 
 def digests_match(presented: bytes, stored: bytes) -> bool:

@@ -94,6 +94,9 @@ class TenantDirectory:
         )
         self.tenants: dict[str, Tenant] = {}
         self.keys: dict[str, KeyRecord] = {}
+        # Every key by its configured digest (of the secret, or of a whole key users already
+        # have): how the authenticator finds keys of both forms with the same work.
+        self.keys_by_digest: dict[bytes, KeyRecord] = {}
         if auth is None:
             return
         for config in auth.tenants:
@@ -105,3 +108,4 @@ class TenantDirectory:
                 )
         for key in auth.admin_keys:
             self.keys[key.id] = KeyRecord(key.id, None, bytes.fromhex(key.sha256), key.revoked)
+        self.keys_by_digest = {record.digest: record for record in self.keys.values()}

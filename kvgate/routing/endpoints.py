@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
@@ -13,6 +14,8 @@ from kvgate.routing.settings import RoutingConfig, StalePolicy
 if TYPE_CHECKING:
     from kvgate.routing.telemetry import EngineTelemetry
     from kvgate.types import RequestContext
+
+log = logging.getLogger("kvgate.health")
 
 
 class BreakerView(Protocol):
@@ -65,7 +68,11 @@ class Endpoint:
     Per attempt it tracks requests in flight, prompt tokens still to prefill (requests waiting
     for their first token, counted with the prompt tokens not already cached there) and active
     decode sequences. Scraped telemetry (`telemetry`, when fresh) corrects the view upwards for
-    work the gateway did not send. Health checks change `healthy` and never touch any of it.
+    work the gateway did not send. Health checks change `healthy` and never touch any of it;
+    `last_success` (monotonic seconds) is when an attempt here last succeeded or streamed its
+    first event, the passive evidence health checks weigh; `panic_routed` is set by
+    `Fleet.refresh` while the pool is in panic (too few healthy endpoints), and then routes
+    here even when unhealthy.
     """
 
     name: str
@@ -78,6 +85,8 @@ class Endpoint:
     max_inflight: int | None = None
     discovered_models: frozenset[str] = frozenset()
     healthy: bool = True
+    last_success: float = float("-inf")
+    panic_routed: bool = False
     inflight: int = 0
     breaker: BreakerView = NO_BREAKER
     limits: SaturationLimits = SaturationLimits()
@@ -121,10 +130,12 @@ class Endpoint:
             self.streams_queued += 1
 
     def first_token(self, ctx: RequestContext) -> None:
-        """The attempt's first event arrived: its prefill is done, it now decodes."""
+        """The attempt's first event arrived: its prefill is done, it now decodes (and the
+        engine is evidently serving: passive health evidence, as a whole answer is)."""
         tokens = self._attempts.get(id(ctx))
         if tokens is None or tokens < 0:
             return
+        self.last_success = time.monotonic()
         self._attempts[id(ctx)] = -1
         self.prefill_requests -= 1
         self.prefill_tokens -= tokens
@@ -145,6 +156,15 @@ class Endpoint:
             self.prefill_tokens -= tokens
             if ctx.stream:
                 self.streams_unqueued += 1
+
+    def record_success(self) -> None:
+        """Called by the forwarder when an attempt here succeeded."""
+        self.last_success = time.monotonic()
+
+    @property
+    def in_rotation(self) -> bool:
+        """Healthy, or routed to anyway because its pool is in panic."""
+        return self.healthy or self.panic_routed
 
     def observe_telemetry(self, telemetry: EngineTelemetry) -> None:
         """A scrape succeeded: route on it, and count queue changes from now on."""
@@ -192,7 +212,7 @@ class Endpoint:
     def routable(self) -> bool:
         if self.limits.stale_policy == "exclude" and self.stale:
             return False
-        return self.healthy and self.breaker.admits()
+        return (self.healthy or self.panic_routed) and self.breaker.admits()
 
     @property
     def health_path(self) -> str:
@@ -294,6 +314,10 @@ class Pool:
     engine: EngineKind
     policy: str
     endpoints: list[Endpoint]
+    # Whether the engines serve /v1/responses (`pools[].responses`).
+    serves_responses: bool = False
+    # True while fewer than the panic threshold of its endpoints are healthy (Fleet.refresh).
+    panic: bool = False
 
     @property
     def ready(self) -> bool:
@@ -316,15 +340,22 @@ def build_pool(config: PoolConfig, routing: RoutingConfig | None = None) -> Pool
         )
         for i, ep in enumerate(config.endpoints)
     ]
-    return Pool(config.name, config.engine, config.policy, endpoints)
+    responses = config.engine == "vllm" if config.responses is None else config.responses
+    return Pool(config.name, config.engine, config.policy, endpoints, responses)
 
 
 class Fleet:
     """Every pool and endpoint, with a model → candidates map rebuilt when health or the
-    discovered model lists change (never per request)."""
+    discovered model lists change (never per request).
 
-    def __init__(self, pools: Iterable[Pool]) -> None:
+    Panic (as Envoy's): when fewer than `panic_threshold` of a pool's endpoints are healthy,
+    health is ignored in that pool and all of its endpoints are candidates, so a probing
+    failure can never empty a pool that works (breakers still eject endpoints that fail
+    requests). 0 turns panic off."""
+
+    def __init__(self, pools: Iterable[Pool], panic_threshold: float = 0.5) -> None:
         self.pools = list(pools)
+        self.panic_threshold = panic_threshold
         self.endpoints = [e for p in self.pools for e in p.endpoints]
         self._by_model: dict[str, list[Endpoint]] = {}
         self._healthy_by_model: dict[str, list[Endpoint]] = {}
@@ -332,6 +363,8 @@ class Fleet:
         self.refresh()
 
     def refresh(self) -> None:
+        for pool in self.pools:
+            self._update_panic(pool)
         by_model: dict[str, list[Endpoint]] = {}
         home_pool: dict[str, str] = {}
         for endpoint in self.endpoints:
@@ -340,7 +373,19 @@ class Fleet:
                 home_pool.setdefault(model, endpoint.pool)  # endpoints are in pool order
         self._by_model = by_model
         self._home_pool = home_pool
-        self._healthy_by_model = {m: [e for e in eps if e.healthy] for m, eps in by_model.items()}
+        self._healthy_by_model = {
+            m: [e for e in eps if e.in_rotation] for m, eps in by_model.items()
+        }
+
+    def _update_panic(self, pool: Pool) -> None:
+        healthy, n = sum(e.healthy for e in pool.endpoints), len(pool.endpoints)
+        panic = healthy < self.panic_threshold * n
+        if panic != pool.panic:
+            state = "entered panic, routing across all" if panic else "left panic"
+            log.warning("pool %s %s: %d of %d endpoints healthy", pool.name, state, healthy, n)
+            pool.panic = panic
+        for endpoint in pool.endpoints:
+            endpoint.panic_routed = panic
 
     def serves(self, model: str) -> bool:
         return model in self._by_model
@@ -350,7 +395,8 @@ class Fleet:
         return self._home_pool.get(model)
 
     def candidates(self, model: str) -> list[Endpoint]:
-        """Healthy endpoints serving `model` (possibly empty)."""
+        """Endpoints in rotation serving `model`: healthy ones, and every endpoint of a pool in
+        panic (possibly empty)."""
         return self._healthy_by_model.get(model, [])
 
     def serving(
@@ -361,9 +407,10 @@ class Fleet:
         pools: Collection[str] | None = None,
         jurisdictions: frozenset[str] | None = None,
     ) -> list[Endpoint]:
-        """The one answer to "which endpoints can take this now": healthy endpoints serving
-        `model` whose breaker admits traffic (and, with the `exclude` stale policy, whose
-        telemetry is fresh), in `pools` and `jurisdictions` if given, minus `exclude`."""
+        """The one answer to "which endpoints can take this now": endpoints in rotation
+        (healthy, or in a pool in panic) serving `model` whose breaker admits traffic (and,
+        with the `exclude` stale policy, whose telemetry is fresh), in `pools` and
+        `jurisdictions` if given, minus `exclude`."""
         return [
             e
             for e in self._healthy_by_model.get(model, ())
@@ -380,7 +427,7 @@ class Fleet:
         return not candidates or any(not e.saturated for e in candidates)
 
     def served_models(self) -> list[str]:
-        """Models with at least one healthy endpoint."""
+        """Models with at least one endpoint in rotation."""
         return sorted(m for m, eps in self._healthy_by_model.items() if eps)
 
     def unready_pools(self) -> list[str]:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import httpx
 import orjson
@@ -16,10 +18,24 @@ from kvgate.routing.endpoints import Endpoint, Fleet
 log = logging.getLogger("kvgate.health")
 
 
+@dataclass(slots=True)
+class _Streak:
+    """Consecutive probe results of one endpoint."""
+
+    failures: int = 0
+    successes: int = 0
+    probed: bool = False
+
+
 class HealthMonitor:
     """Probes each endpoint's health route every `interval` and its `/v1/models` every
     `discovery_interval`; updates `Endpoint.healthy` / `discovered_models` and refreshes the
-    fleet's candidate map when anything changed. Never touches in-flight accounting."""
+    fleet's candidate map when anything changed. Never touches in-flight accounting.
+
+    As Envoy: an endpoint turns unhealthy after `unhealthy_threshold` failed probes in a row
+    and healthy after `healthy_threshold` good ones; the first probe of an endpoint decides
+    alone. Passive evidence wins: an endpoint where an attempt succeeded within the last probe
+    interval (plus the probe timeout) is not marked unhealthy, however its probes fare."""
 
     def __init__(
         self,
@@ -34,6 +50,7 @@ class HealthMonitor:
         self.client = client
         self.config = config
         self._task = OwnedTask("health-monitor")
+        self._streaks: dict[str, _Streak] = {}
 
     async def check_once(self, discover: bool = True) -> None:
         results = await asyncio.gather(*(self._probe(e, discover) for e in self.fleet.endpoints))
@@ -42,23 +59,48 @@ class HealthMonitor:
 
     async def _probe(self, endpoint: Endpoint, discover: bool) -> bool:
         """Probe one endpoint; True when its health or model list changed."""
-        changed = False
-        healthy = await self._get_ok(endpoint, endpoint.health_path) is not None
-        if healthy != endpoint.healthy:
-            log.warning(
-                "endpoint %s is now %s", endpoint.name, "healthy" if healthy else "unhealthy"
-            )
-            endpoint.healthy = healthy
-            if healthy and self.on_recovered is not None:
-                self.on_recovered(endpoint)
-            changed = True
-        if healthy and discover:
+        ok = await self._get_ok(endpoint, endpoint.health_path) is not None
+        changed = self.judge(endpoint, ok)
+        if ok and discover:
             body = await self._get_ok(endpoint, "/v1/models")
             models = _model_ids(body) if body is not None else None
             if models is not None and models != endpoint.discovered_models:
                 endpoint.discovered_models = models
                 changed = True
         return changed
+
+    def judge(self, endpoint: Endpoint, ok: bool, now: float | None = None) -> bool:
+        """Count one probe result of `endpoint` and apply the thresholds; True when
+        `endpoint.healthy` changed."""
+        streak = self._streaks.setdefault(endpoint.name, _Streak())
+        first = not streak.probed
+        streak.probed = True
+        if ok:
+            streak.successes, streak.failures = streak.successes + 1, 0
+        else:
+            streak.failures, streak.successes = streak.failures + 1, 0
+        if endpoint.healthy:
+            if ok or (not first and streak.failures < self.config.unhealthy_threshold):
+                return False
+            if self._serving(endpoint, time.monotonic() if now is None else now):
+                return False
+        elif not ok or (not first and streak.successes < self.config.healthy_threshold):
+            return False
+        endpoint.healthy = ok
+        log.warning(
+            "endpoint %s is now %s (%d %s probe(s) in a row)",
+            endpoint.name,
+            "healthy" if ok else "unhealthy",
+            streak.successes if ok else streak.failures,
+            "good" if ok else "failed",
+        )
+        if ok and self.on_recovered is not None:
+            self.on_recovered(endpoint)
+        return True
+
+    def _serving(self, endpoint: Endpoint, now: float) -> bool:
+        """Passive evidence: an attempt succeeded there since about the previous probe."""
+        return now - endpoint.last_success < self.config.interval + self.config.timeout
 
     async def _get_ok(self, endpoint: Endpoint, path: str) -> bytes | None:
         headers = {"authorization": endpoint.auth_header.decode()} if endpoint.auth_header else {}

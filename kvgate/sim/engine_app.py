@@ -1,10 +1,10 @@
 """The HTTP surface of one simulated engine, as a plain ASGI application.
 
 Routes: the OpenAI endpoints, `/health`, `/metrics`, the flavour's extras (vLLM
-`/reset_prefix_cache`; SGLang `/v1/loads`, `/get_load`, `/flush_cache`, `/health_generate`)
-and the simulator's own `/sim/stats` and `/sim/faults` (and `/sim/kv-events/faults` when the
-engine publishes KV events). Inference requests pass through the fault injector first;
-everything else is never faulted.
+`/reset_prefix_cache` and `/v1/responses`; SGLang `/v1/loads`, `/get_load`, `/flush_cache`,
+`/health_generate`) and the simulator's own `/sim/stats` and `/sim/faults` (and
+`/sim/kv-events/faults` when the engine publishes KV events). Inference requests pass through
+the fault injector first; everything else is never faulted.
 """
 
 import asyncio
@@ -38,6 +38,7 @@ from .openai_api import (
     usage_chunk,
 )
 from .options import EngineOptions
+from .responses_api import RESPONSE, deliver_response, parse_response_request
 from .stats import EngineCounters
 
 Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
@@ -62,6 +63,7 @@ class EngineApp:
         draw_fault: Callable[[], Fault | None],
         apply_fault: Callable[[Fault | None], None],
         describe_faults: Callable[[], dict[str, Any]],
+        health_hangs: Callable[[], bool],
         kv_events: KvEventPublisher | None = None,
     ) -> None:
         self._options = options
@@ -70,6 +72,7 @@ class EngineApp:
         self._draw_fault = draw_fault
         self._apply_fault = apply_fault
         self._describe_faults = describe_faults
+        self._health_hangs = health_hangs
         self.closing = asyncio.Event()
         self._routes: dict[tuple[str, str], Handler] = {
             ("GET", "/health"): self._health,
@@ -92,6 +95,7 @@ class EngineApp:
             }
         else:
             self._routes[("POST", "/reset_prefix_cache")] = self._reset_prefix_cache
+            self._routes[("POST", "/v1/responses")] = self._responses
         if kv_events is not None:
             self._routes |= kv_event_fault_routes(core, kv_events)
 
@@ -120,6 +124,10 @@ class EngineApp:
     # --- plain endpoints -------------------------------------------------------------
 
     async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._health_hangs():  # the `hang_health` fault: no answer until the prober leaves
+            async with DisconnectWatch(receive, lambda: None) as watch:
+                await watch.sleep(None, self.closing)
+            return
         await _respond(send, 503 if self.closing.is_set() else 200, b"", [])
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -224,6 +232,9 @@ class EngineApp:
     async def _embeddings(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._inference(scope, receive, send, "embedding")
 
+    async def _responses(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._inference(scope, receive, send, RESPONSE)
+
     def _record_arrival(self, scope: Scope, raw_body: bytes) -> Any:
         """Count the request and keep its headers and body for /sim/stats; return the body."""
         try:
@@ -256,7 +267,10 @@ class EngineApp:
             if kind == "embedding":
                 await _respond(send, 200, orjson.dumps(embeddings_response(body, self._options)))
                 return
-            generation = parse_generation(kind, body, self._options, arrival)
+            if kind == RESPONSE:
+                generation = parse_response_request(body, self._options, arrival)
+            else:
+                generation = parse_generation(kind, body, self._options, arrival)
         except ApiError as error:
             await self._error(send, error)
             return
@@ -290,7 +304,9 @@ class EngineApp:
     async def _deliver(
         self, generation: Generation, send: Send, watch: DisconnectWatch | None, fault: Fault | None
     ) -> None:
-        if generation.stream:
+        if generation.kind == RESPONSE:  # faults during the answer do not apply here
+            await deliver_response(generation, send, now_seconds())
+        elif generation.stream:
             await self._stream(generation, send, watch, fault)
         else:
             await self._answer(generation, send, watch, fault)

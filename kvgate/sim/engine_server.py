@@ -84,6 +84,7 @@ class SimEngine:
             self._faults.draw,
             self._apply_fault,
             self._describe_faults,
+            lambda: self._faults.health_hangs,
             self.kv_events,
         )
         config = uvicorn.Config(

@@ -1,7 +1,8 @@
 """Injected faults: what an engine should do wrong, for how many requests, how often.
 
 `refuse` is a listener-level state (the engine's port refuses TCP connections until the
-fault is cleared); `probability` and `count` do not apply to it. Every other mode is drawn
+fault is cleared) and `hang_health` an engine-level one (its health route never answers while
+inference keeps working); `probability` and `count` do not apply to them. Every other mode is drawn
 per inference request (`POST /v1/...`): with `probability` p (seeded RNG) and, when `count`
 is given, for the next `count` requests it fires on, after which the fault clears itself.
 """
@@ -11,8 +12,12 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 REFUSE = "refuse"
+HANG_HEALTH = "hang_health"
+# Modes that are a state of the engine until cleared, never drawn per inference request.
+STATE_MODES = (REFUSE, HANG_HEALTH)
 FAULT_MODES = (
     REFUSE,
+    HANG_HEALTH,
     "reset_before_first_byte",
     "crash_after_tokens",
     "http_error",
@@ -79,6 +84,11 @@ class FaultInjector:
         return self._fault
 
     @property
+    def health_hangs(self) -> bool:
+        """Whether the health route should hang (`hang_health` is in force)."""
+        return self._fault is not None and self._fault.mode == HANG_HEALTH
+
+    @property
     def remaining(self) -> int | None:
         """How many more requests the current fault applies to (None: unlimited)."""
         return self._remaining
@@ -96,7 +106,7 @@ class FaultInjector:
     def draw(self) -> Fault | None:
         """Return the fault to apply to the request now arriving, or None."""
         fault = self._fault
-        if fault is None or fault.mode == REFUSE:
+        if fault is None or fault.mode in STATE_MODES:
             return None
         if fault.probability < 1.0 and self._rng.random() >= fault.probability:
             return None

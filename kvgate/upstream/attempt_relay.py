@@ -115,6 +115,7 @@ class AttemptRelay:
             else:
                 await self._relay_unary(ctx, request, send, deadline)
             record.succeeded()
+            endpoint.record_success()
         except StreamBroken as broken:
             record.failed(judge(broken.error, limits.client_shortened))
             raise

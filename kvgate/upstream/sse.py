@@ -1,8 +1,9 @@
 """Incremental server-sent-events scanner for relayed engine streams.
 
 It never changes or re-serialises the bytes: it only finds event boundaries so the relay knows
-when the first event arrived, whether the stream ended with `[DONE]` or an error event, and what
-usage the engine reported. Only events that may carry usage or an error are JSON-parsed.
+when the first event arrived, whether the stream ended with `[DONE]` (or a Responses stream's
+last event) or an error event, and what usage the engine reported. Only events that may carry
+usage, an error or the end of a Responses stream are JSON-parsed.
 
 `feed` returns the bytes of the events it completed, so the relay forwards whole events only:
 a stream that breaks mid-event never leaves half an event before the error event.
@@ -27,6 +28,9 @@ _BOUNDARY = re.compile(rb"\r?\n\r?\n")
 # Engines that send `"usage": null` on every chunk: nothing to read there.
 _NULL_USAGE = re.compile(rb'"usage"\s*:\s*null')
 MAX_PENDING_BYTES = 1024 * 1024
+_RESPONSES_LAST_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
+# Searched in every event before parsing: deltas (most events) are never parsed.
+_RESPONSES_LAST_NAMES = tuple(f'"{name}"'.encode() for name in sorted(_RESPONSES_LAST_EVENTS))
 
 
 class SseProtocolError(Exception):
@@ -99,11 +103,28 @@ class SseScanner:
             return False
         if data[:1] != b"{" or data[-1:] != b"}":
             raise SseProtocolError("the engine sent a malformed event (not a JSON object)")
+        if any(name in data for name in _RESPONSES_LAST_NAMES):
+            self._responses_event(data)
         readable = b'"error"' in data or (b'"usage"' in data and not _NULL_USAGE.search(data))
         if readable and self._inspect(data) and self.strip_usage:
             return True
         self.data_events += 1
         return False
+
+    def _responses_event(self, data: bytes) -> None:
+        """OpenAI Responses streams have no `[DONE]`: their last event (`response.completed`,
+        `.incomplete` or `.failed`) ends the stream, and carries the usage."""
+        try:
+            parsed = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return
+        if not isinstance(parsed, dict) or parsed.get("type") not in _RESPONSES_LAST_EVENTS:
+            return
+        self.done = True
+        response = parsed.get("response")
+        usage = response.get("usage") if isinstance(response, dict) else None
+        if isinstance(usage, dict):
+            self.usage = usage
 
     def _inspect(self, data: bytes) -> bool:
         """Read an event that may carry an error or usage; True for a usage-only event."""

@@ -39,11 +39,19 @@ class ConnectionLost(TransportError):
 
 
 def _translate(exc: BaseException) -> TransportError:
+    """The error in plain words: these messages reach clients inside kvgate's errors, so they
+    name no library class and carry no library internals."""
     if isinstance(exc, aiohttp.ClientConnectorError):
-        return ConnectFailed(str(exc))
+        return ConnectFailed("could not connect to the engine")
     if isinstance(exc, TimeoutError):
         return ConnectTimeout("no upstream connection (new or pooled) in time")
-    return ConnectionLost(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return ConnectionLost("the engine closed the connection")
+    if isinstance(exc, aiohttp.ClientPayloadError):
+        return ConnectionLost("the engine's answer was cut short")
+    if isinstance(exc, OSError) and exc.strerror:
+        return ConnectionLost(exc.strerror.lower())
+    return ConnectionLost("the connection to the engine broke")
 
 
 class UpstreamResponse:

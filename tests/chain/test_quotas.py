@@ -98,8 +98,9 @@ def test_requests_per_minute_exact_over_http(upstream, start_gateway):
     statuses = sorted(r.status_code for r in responses)
     assert statuses == [200] * 3 + [429] * 17
     limited = next(r for r in responses if r.status_code == 429)
-    assert limited.json()["error"]["code"] == "requests_per_minute_exceeded"
-    assert limited.json()["error"]["type"] == "rate_limit_error"
+    error = limited.json()["error"]
+    assert (error["type"], error["code"]) == ("requests", "rate_limit_exceeded")
+    assert "requests_per_minute" in error["message"]
     assert 15 <= int(limited.headers["retry-after"]) <= 20  # 1 request refills in 20 s
     assert len(engine.inference_requests) == 3
     assert admission_state(app, server) == IDLE

@@ -105,7 +105,8 @@ def test_three_tenants_with_the_openai_sdk(fleet, gateway):
     with pytest.raises(openai.RateLimitError) as limited:
         bronze.chat.completions.create(model="sim-model", messages=MESSAGES, max_tokens=8)
     assert limited.value.response.headers["retry-after"]
-    assert limited.value.body["code"] == "requests_per_minute_exceeded"
+    assert limited.value.body["code"] == "rate_limit_exceeded"
+    assert limited.value.body["type"] == "requests"
     with pytest.raises(openai.AuthenticationError):
         _client(server, "acme-1.not-the-secret").chat.completions.create(
             model="sim-model", messages=MESSAGES

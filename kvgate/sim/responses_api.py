@@ -1,0 +1,229 @@
+"""A minimal OpenAI Responses API (`POST /v1/responses`), as vLLM serves it, for text only.
+
+Request: `input` (a string, or an array of message items `{"role", "content"}` whose content is
+a string or `input_text` / `output_text` parts), optional `instructions` (a system message
+first), `max_output_tokens`, `stream`, `cache_salt`. It is rendered like a chat request, so
+prefix caching and the context-length check behave as for chat. No tools, no stored state
+(`previous_response_id` is refused).
+
+Non-stream answer: a `response` object whose `output` is one assistant `message` holding one
+`output_text` part, with `usage` (`input_tokens`, `output_tokens`, `total_tokens`, cached
+tokens). `status` is `completed`, or `incomplete` with `incomplete_details.reason:
+max_output_tokens` when the token limit cut it.
+
+Stream: `event: <type>` + `data: <json>` events, each with its `sequence_number`:
+`response.created`, `response.in_progress`, `response.output_item.added`,
+`response.content_part.added`, one `response.output_text.delta` per token,
+`response.output_text.done`, `response.content_part.done`, `response.output_item.done`, and
+`response.completed` (or `response.incomplete`) carrying the final response with its usage.
+There is no `[DONE]`: the stream ends after that last event, as OpenAI's does.
+"""
+
+import uuid
+from typing import Any
+
+import orjson
+
+from .asgi_types import Send
+from .engine_core import ABORTED
+from .openai_api import CHAT, ApiError, Generation, output_text, parse_generation
+from .options import EngineOptions
+from .sequence import GenerationRequest
+
+RESPONSE = "response"
+
+
+def _text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        pieces = [
+            part["text"]
+            for part in content
+            if isinstance(part, dict)
+            and part.get("type") in ("input_text", "output_text")
+            and isinstance(part.get("text"), str)
+        ]
+        if len(pieces) == len(content):
+            return "".join(pieces)
+    raise ApiError(400, f"{where} must be a string or an array of text parts", where)
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    messages: list[dict[str, str]] = []
+    instructions = body.get("instructions")
+    if instructions is not None:
+        messages.append({"role": "system", "content": _text(instructions, "instructions")})
+    given = body.get("input")
+    if isinstance(given, str):
+        return [*messages, {"role": "user", "content": given}]
+    if not isinstance(given, list) or not given:
+        raise ApiError(400, "input must be a string or a non-empty array of messages", "input")
+    for i, item in enumerate(given):
+        if not isinstance(item, dict) or not isinstance(item.get("role"), str):
+            raise ApiError(400, f"input[{i}] must be a message with a role", "input")
+        messages.append({"role": item["role"], "content": _text(item.get("content"), "input")})
+    return messages
+
+
+def parse_response_request(body: Any, options: EngineOptions, arrival: float) -> Generation:
+    """Validate a Responses request; raise ApiError as vLLM would."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    if body.get("previous_response_id") is not None:
+        raise ApiError(400, "the simulator stores no responses", "previous_response_id")
+    chat = {
+        "model": body.get("model"),
+        "messages": _messages(body),
+        "max_tokens": body.get("max_output_tokens"),
+        "stream": body.get("stream", False),
+        "cache_salt": body.get("cache_salt"),
+    }
+    generation = parse_generation(CHAT, chat, options, arrival)
+    generation.kind = RESPONSE
+    generation.request.request_id = f"resp_{uuid.uuid4().hex}"
+    return generation
+
+
+def _usage(request: GenerationRequest) -> dict[str, Any]:
+    prompt, output = len(request.prompt_tokens), len(request.output_tokens)
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": request.cached_tokens or 0},
+        "output_tokens": output,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + output,
+    }
+
+
+def _message_id(generation: Generation) -> str:
+    return "msg_" + generation.request.request_id.removeprefix("resp_")
+
+
+def _message(generation: Generation, text: str | None) -> dict[str, Any]:
+    """The assistant message item: in progress and empty (None), or completed with `text`."""
+    return {
+        "type": "message",
+        "id": _message_id(generation),
+        "status": "in_progress" if text is None else "completed",
+        "role": "assistant",
+        "content": [] if text is None else [_part(text)],
+    }
+
+
+def _part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": []}
+
+
+def response_object(generation: Generation, created: int, final: bool = True) -> dict[str, Any]:
+    """The `response` object of a finished request, or (`final=False`) as it stands when
+    a stream opens: in progress, no output yet."""
+    request = generation.request
+    finished = final and request.finished
+    cut = finished and request.finish_reason == "length"
+    status = ("incomplete" if cut else "completed") if finished else "in_progress"
+    return {
+        "id": request.request_id,
+        "object": "response",
+        "created_at": created,
+        "status": status,
+        "model": generation.model,
+        "output": [_message(generation, output_text(request))] if finished else [],
+        "usage": _usage(request) if finished else None,
+        "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+        "error": None,
+        "instructions": None,
+        "max_output_tokens": request.params.max_tokens,
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+        "tools": [],
+        "temperature": 1.0,
+        "top_p": 1.0,
+    }
+
+
+class ResponseEvents:
+    """Builds the stream's events in order, numbering them."""
+
+    def __init__(self, generation: Generation, created: int) -> None:
+        self.generation = generation
+        self.created = created
+        self.sequence = 0
+        self.item = {"item_id": _message_id(generation), "output_index": 0}
+
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        payload = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
+
+    def opening(self) -> bytes:
+        response = response_object(self.generation, self.created, final=False)
+        part = _part("")
+        return b"".join(
+            [
+                self._event("response.created", response=response),
+                self._event("response.in_progress", response=response),
+                self._event(
+                    "response.output_item.added",
+                    output_index=0,
+                    item=_message(self.generation, None),
+                ),
+                self._event("response.content_part.added", **self.item, content_index=0, part=part),
+            ]
+        )
+
+    def delta(self, text: str) -> bytes:
+        return self._event("response.output_text.delta", **self.item, content_index=0, delta=text)
+
+    def closing(self) -> bytes:
+        text = output_text(self.generation.request)
+        part = _part(text)
+        response = response_object(self.generation, self.created)
+        last = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+        return b"".join(
+            [
+                self._event("response.output_text.done", **self.item, content_index=0, text=text),
+                self._event("response.content_part.done", **self.item, content_index=0, part=part),
+                self._event(
+                    "response.output_item.done",
+                    output_index=0,
+                    item=_message(self.generation, text),
+                ),
+                self._event(last, response=response),
+            ]
+        )
+
+
+_JSON = [(b"content-type", b"application/json")]
+_SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+
+
+async def deliver_response(generation: Generation, send: Send, created: int) -> None:
+    """Answer a submitted Responses request, whole or streamed as it generates. A request
+    aborted mid-way (client gone, engine closing) ends the stream without its last event."""
+    request = generation.request
+    if not generation.stream:
+        while not request.finished:
+            await request.wait_for_progress()
+        if request.finish_reason == ABORTED:
+            return
+        body = orjson.dumps(response_object(generation, created))
+        await send({"type": "http.response.start", "status": 200, "headers": _JSON})
+        await send({"type": "http.response.body", "body": body})
+        return
+    events = ResponseEvents(generation, created)
+    await send({"type": "http.response.start", "status": 200, "headers": _SSE})
+    await send({"type": "http.response.body", "body": events.opening(), "more_body": True})
+    sent = 0
+    while True:
+        new_tokens = request.output_tokens[sent:]
+        sent += len(new_tokens)
+        chunk = b"".join(events.delta(token) for token in new_tokens)
+        if request.finished:
+            if request.finish_reason != ABORTED:
+                chunk += events.closing()
+            await send({"type": "http.response.body", "body": chunk})
+            return
+        if chunk:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await request.wait_for_progress()

@@ -1,0 +1,172 @@
+"""Health checks that cannot take down an endpoint that is serving: N failed probes in a row to
+turn unhealthy, M good ones to come back, passive evidence over probes, and panic routing."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from kvgate.config import HealthConfig
+from kvgate.routing.endpoints import Endpoint, Fleet, Pool
+from kvgate.routing.health import HealthMonitor
+from kvgate.sim import EngineOptions, SimFleet
+from tests.resilience.helpers import chat, pool_config, wait_for
+
+
+def _endpoint(name: str, pool: str = "p") -> Endpoint:
+    return Endpoint(name, f"http://{name}", pool, "vllm", frozenset({"m"}))
+
+
+def _monitor(fleet: Fleet, recovered: list[str] | None = None, **health: float) -> HealthMonitor:
+    on_recovered = (lambda e: recovered.append(e.name)) if recovered is not None else None
+    return HealthMonitor(
+        fleet,
+        httpx.AsyncClient(),  # never used: `judge` takes probe results as given
+        HealthConfig.model_validate({"interval": 1.0, "timeout": 0.5, **health}),
+        on_recovered=on_recovered,
+    )
+
+
+def test_unhealthy_after_n_failures_in_a_row_and_healthy_after_m_successes():
+    endpoint = _endpoint("a")
+    recovered: list[str] = []
+    monitor = _monitor(Fleet([Pool("p", "vllm", "kvgate", [endpoint])]), recovered)
+    assert monitor.judge(endpoint, True, now=100.0) is False  # first probe: healthy stays
+    for ok in (False, False, True, False, False):  # a good probe resets the count
+        assert monitor.judge(endpoint, ok, now=100.0) is False
+    assert endpoint.healthy
+    assert monitor.judge(endpoint, False, now=100.0) is True  # third failure in a row
+    assert not endpoint.healthy
+    assert monitor.judge(endpoint, True, now=100.0) is False  # one good probe is not enough
+    assert monitor.judge(endpoint, False, now=100.0) is False
+    assert monitor.judge(endpoint, True, now=100.0) is False
+    assert monitor.judge(endpoint, True, now=100.0) is True
+    assert endpoint.healthy and recovered == ["a"]
+
+
+def test_thresholds_come_from_config_and_the_first_probe_decides_alone():
+    endpoint = _endpoint("a")
+    monitor = _monitor(
+        Fleet([Pool("p", "vllm", "kvgate", [endpoint])]),
+        unhealthy_threshold=1,
+        healthy_threshold=3,
+    )
+    assert monitor.judge(endpoint, False, now=100.0) is True  # first probe: at once
+    assert [monitor.judge(endpoint, True, now=100.0) for _ in range(3)] == [False, False, True]
+    assert monitor.judge(endpoint, False, now=100.0) is True  # threshold 1
+    fresh = _endpoint("b")
+    assert _monitor(Fleet([Pool("p", "vllm", "kvgate", [fresh])])).judge(fresh, False, now=1.0)
+    assert not fresh.healthy
+
+
+def test_passive_evidence_wins_over_failed_probes():
+    endpoint = _endpoint("a")
+    monitor = _monitor(Fleet([Pool("p", "vllm", "kvgate", [endpoint])]))
+    monitor.judge(endpoint, True, now=100.0)
+    endpoint.last_success = 99.0  # an attempt succeeded within interval + timeout (1.5 s)
+    for _ in range(5):
+        assert monitor.judge(endpoint, False, now=100.0) is False
+    assert endpoint.healthy
+    endpoint.last_success = 98.0  # nothing succeeded since before the previous probe
+    assert monitor.judge(endpoint, False, now=100.0) is True
+    assert not endpoint.healthy
+
+
+def test_record_success_is_the_passive_evidence():
+    endpoint = _endpoint("a")
+    before = time.monotonic()
+    endpoint.record_success()
+    assert endpoint.last_success >= before
+
+
+def test_panic_routes_across_the_whole_pool_below_the_threshold(caplog):
+    caplog.set_level(logging.WARNING, logger="kvgate.health")
+    endpoints = [_endpoint(f"e{i}") for i in range(4)]
+    other = _endpoint("x", pool="q")
+    pool = Pool("p", "vllm", "kvgate", endpoints)
+    fleet = Fleet([pool, Pool("q", "vllm", "kvgate", [other])])
+    for endpoint in endpoints[:2]:
+        endpoint.healthy = False
+    fleet.refresh()  # 2 of 4 healthy: not below half
+    assert not pool.panic
+    assert fleet.candidates("m") == [*endpoints[2:], other]
+    endpoints[2].healthy = False
+    fleet.refresh()  # 1 of 4: panic, every endpoint of p is a candidate again
+    assert pool.panic and all(e.panic_routed and e.routable for e in endpoints)
+    assert fleet.candidates("m") == [*endpoints, other]
+    assert "pool p entered panic, routing across all: 1 of 4 endpoints healthy" in caplog.text
+    for endpoint in endpoints:
+        endpoint.healthy = True
+    fleet.refresh()
+    assert not pool.panic and not any(e.panic_routed for e in endpoints)
+    assert "pool p left panic: 4 of 4 endpoints healthy" in caplog.text
+
+
+def test_panic_threshold_zero_never_panics():
+    endpoint = _endpoint("a")
+    fleet = Fleet([Pool("p", "vllm", "kvgate", [endpoint])], panic_threshold=0.0)
+    endpoint.healthy = False
+    fleet.refresh()
+    assert fleet.candidates("m") == [] and not endpoint.routable
+
+
+@pytest.fixture(scope="module")
+def sim() -> Iterator[SimFleet]:
+    with SimFleet.in_thread(engines=2, options=EngineOptions(profile="fast")) as fleet:
+        yield fleet
+
+
+@pytest.fixture(autouse=True)
+def _clear_faults(sim: SimFleet) -> Iterator[None]:
+    yield
+    for engine in sim.engines:
+        engine.clear_fault()
+
+
+FAST_PROBES = {"interval": 0.1, "timeout": 0.05, "discovery_interval": 30}
+
+
+def test_hang_health_endpoints_that_serve_stay_in_rotation(sim, start_gateway):
+    """Every probe of both engines times out for 3 s (30 probe intervals, 10x the unhealthy
+    threshold) while a client keeps sending: not one request fails and both stay healthy."""
+    app, server = start_gateway(pool_config(sim, health=FAST_PROBES))
+    for engine in sim.engines:
+        engine.set_fault({"mode": "hang_health"})
+    statuses: list[int] = []
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            response = client.post("/v1/chat/completions", json=chat(max_tokens=2))
+            statuses.append(response.status_code)
+    used = {e.name for e in app.fleet.endpoints if e.last_success > 0}
+    assert len(statuses) >= 30 and set(statuses) == {200}
+    assert all(e.healthy for e in app.fleet.endpoints)
+    assert used == {e.name for e in app.fleet.endpoints}
+
+
+def test_an_idle_endpoint_whose_probes_hang_goes_unhealthy_and_panic_keeps_serving(
+    sim, start_gateway
+):
+    """No traffic, no passive evidence: after 3 timed-out probes both endpoints are unhealthy,
+    the pool panics and requests are still served; with panic off they get 503."""
+    configs = {
+        0.5: pool_config(sim, health=FAST_PROBES),
+        0.0: pool_config(sim, health={**FAST_PROBES, "panic_threshold": 0}),
+    }
+    apps = {threshold: start_gateway(config) for threshold, config in configs.items()}
+    for engine in sim.engines:
+        engine.set_fault({"mode": "hang_health"})
+    for app, _ in apps.values():
+        wait_for(lambda app=app: not any(e.healthy for e in app.fleet.endpoints))
+    panicking, server = apps[0.5]
+    assert panicking.fleet.pools[0].panic
+    answered = httpx.post(server.url + "/v1/chat/completions", json=chat(max_tokens=2))
+    assert answered.status_code == 200
+    _, strict = apps[0.0]
+    refused = httpx.post(strict.url + "/v1/chat/completions", json=chat(max_tokens=2))
+    assert refused.status_code == 503
+    assert refused.json()["error"]["code"] == "no_healthy_endpoint"

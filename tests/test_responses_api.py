@@ -1,0 +1,112 @@
+"""`/v1/responses` through the gateway: proxied like chat completions (same chain, routing and
+resilience) to pools whose engines serve it, streamed or not, with the OpenAI SDK against the
+simulator; a clean 404 naming the reason where the pool's engines do not serve it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from kvgate.sim import EngineOptions, SimFleet
+from tests.chain.helpers import make_key, tenant
+from tests.conftest import gateway_config
+from tests.sdk_clients import sdk_client
+
+KEY, KEY_ENTRY = make_key("acme-1")
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[SimFleet]:
+    with SimFleet.in_thread(engines=2, options=EngineOptions(profile="fast")) as sim:
+        yield sim
+
+
+@pytest.fixture
+def client(fleet, start_gateway) -> openai.OpenAI:
+    _, server = start_gateway(
+        gateway_config(list(fleet.urls), pool={"models": ["sim-model"]}, auth="none")
+    )
+    return sdk_client(base_url=server.url + "/v1", api_key="x", max_retries=0)
+
+
+def test_responses_with_the_sdk(client):
+    response = client.responses.create(
+        model="sim-model", input="Tell me a story", max_output_tokens=6
+    )
+    assert response.object == "response" and response.status == "incomplete"
+    assert response.output_text
+    assert response.usage is not None
+    assert response.usage.output_tokens == 6
+    assert response.usage.total_tokens == response.usage.input_tokens + 6
+
+
+def test_streamed_responses_with_the_sdk(client):
+    events = list(
+        client.responses.create(
+            model="sim-model",
+            input=[{"role": "user", "content": [{"type": "input_text", "text": "Hi there"}]}],
+            instructions="Be brief.",
+            max_output_tokens=5,
+            stream=True,
+        )
+    )
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.incomplete"
+    assert kinds.count("response.output_text.delta") == 5
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert events[-1].response.output_text == text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_responses_is_404_where_the_pool_does_not_serve_it(upstream, start_gateway):
+    engine, engine_server = upstream
+    _, server = start_gateway(
+        gateway_config(
+            [engine_server.url], pool={"name": "sg", "engine": "sglang", "models": ["m1"]}
+        )
+    )
+    client = sdk_client(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as refused:
+        client.responses.create(model="m1", input="hi")
+    body = refused.value.body
+    assert body["code"] == "unsupported_route" and "'sg' (sglang engines)" in body["message"]
+    assert engine.inference_requests == []
+
+
+def test_a_pool_flag_opens_responses_and_tenants_get_their_cache_salt(upstream, start_gateway):
+    engine, engine_server = upstream
+    _, server = start_gateway(
+        gateway_config(
+            [engine_server.url],
+            pool={"engine": "openai", "models": ["m1"], "responses": True},
+            auth={"tenants": [tenant("acme", "gold", [KEY_ENTRY])]},
+        )
+    )
+    answer = httpx.post(
+        server.url + "/v1/responses",
+        json={"model": "m1", "input": "hi"},
+        headers={"authorization": f"Bearer {KEY}"},
+    )
+    assert answer.status_code == 200
+    received = engine.inference_requests[-1]
+    assert received.path == "/v1/responses" and received.body["input"] == "hi"
+    assert isinstance(received.body["cache_salt"], str)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": "sim-model"}, "input"),
+        ({"model": "sim-model", "input": []}, "input"),
+        ({"model": "sim-model", "input": ["hi"]}, "input[0]"),
+        ({"model": "sim-model", "input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"model": "sim-model", "input": "hi", "stream": "yes"}, "stream"),
+    ],
+)
+def test_malformed_responses_requests_are_400(fleet, start_gateway, body, param):
+    _, server = start_gateway(gateway_config(list(fleet.urls), pool={"models": ["sim-model"]}))
+    response = httpx.post(server.url + "/v1/responses", json=body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param
