@@ -36,6 +36,7 @@ class Received:
     headers: dict[str, str]
     body: dict[str, Any]
     client: tuple[str, int] | None = None  # the peer address: one per connection
+    raw: bytes = b""  # the body's bytes as they arrived
 
 
 class ScriptedUpstream:
@@ -82,7 +83,7 @@ class ScriptedUpstream:
             return
         headers = {k.decode(): v.decode() for k, v in scope["headers"]}
         payload = orjson.loads(body) if body else {}
-        self.received.append(Received(path, headers, payload, scope.get("client")))
+        self.received.append(Received(path, headers, payload, scope.get("client"), body))
         watcher = asyncio.ensure_future(self._watch(receive))
         try:
             await self._answer(send, payload)

@@ -21,11 +21,11 @@ def request_usage(ctx: RequestContext) -> None:
     if not ctx.stream or ctx.route not in _ROUTES:
         return
     options = ctx.payload.get("stream_options")
-    if isinstance(options, dict):
-        if options.get("include_usage") is True:
-            return
-        asked = {**ctx.payload, "stream_options": {**options, "include_usage": True}}
-        ctx.body = orjson.dumps(asked)
+    if isinstance(options, dict) and options.get("include_usage") is True:
+        return
+    if "stream_options" in ctx.payload:  # an object without include_usage, or null
+        kept = options if isinstance(options, dict) else {}
+        ctx.body = orjson.dumps({**ctx.payload, "stream_options": {**kept, "include_usage": True}})
     else:
         # The body is one JSON object without the key: add it before the closing brace
         # instead of serialising the whole (possibly long) prompt again.

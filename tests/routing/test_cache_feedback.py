@@ -48,6 +48,23 @@ def test_usage_is_asked_upstream_and_stripped_for_clients_that_did_not_ask(upstr
     assert [e for e in asked_events if b'"usage"' not in e] == plain_events
 
 
+def test_a_null_stream_options_is_replaced_not_duplicated(upstream, start_gateway):
+    engine, up = upstream
+    _, server = start_gateway(gateway_config([up.url]))
+    body = b'{"model": "m1", "stream": true, "stream_options": null, "messages": []}'
+    body = body.replace(b"[]", b'[{"role": "user", "content": "hi"}]')
+    reply = httpx.post(
+        server.url + "/v1/chat/completions",
+        content=body,
+        headers={"content-type": "application/json"},
+        timeout=10,
+    )
+    assert reply.status_code == 200
+    (received,) = engine.inference_requests
+    assert received.body["stream_options"] == {"include_usage": True}
+    assert received.raw.count(b'"stream_options"') == 1
+
+
 def test_a_client_with_other_stream_options_keeps_them(upstream, start_gateway):
     engine, up = upstream
     _app, server = start_gateway(gateway_config([up.url]))
