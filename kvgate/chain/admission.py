@@ -38,9 +38,9 @@ import logging
 import time
 from collections import deque
 from functools import partial
-from typing import Protocol
 
 from kvgate.background import OwnedTask
+from kvgate.chain.admission_ports import AdmissionObserver, Capacity, NoObserver
 from kvgate.chain.classify import Classifier
 from kvgate.chain.intent import CLASS_RANK, CLASSES_BY_RANK, Intent
 from kvgate.chain.predict import DurationPredictor
@@ -55,51 +55,6 @@ log = logging.getLogger("kvgate.admission")
 
 _ALL_CLASSES = range(len(CLASSES_BY_RANK))
 _RATE_WINDOW = 64
-
-
-class Capacity(Protocol):
-    """What admission asks the fleet (routing implements it)."""
-
-    def has_capacity(self, model: str, jurisdictions: frozenset[str] | None) -> bool:
-        """False only when every routable endpoint that could serve the model (in the
-        jurisdictions, if given) is saturated; True when none could (picking then answers
-        404 or 503)."""
-        ...
-
-    def uncached_tokens(self, ctx: RequestContext) -> int:
-        """The prompt tokens the best-placed endpoint would have to prefill for `ctx` (asked
-        only for requests that wait)."""
-        ...
-
-
-class AdmissionObserver(Protocol):
-    """What admission reports (Prometheus metrics in the gateway)."""
-
-    def quota_rejected(self, tenant: str, limit: str) -> None:
-        """A request was refused by a tenant limit (429)."""
-
-    def shed(self, latency_class: str, reason: str) -> None:
-        """A request was refused for overload (503)."""
-
-    def waited(self, latency_class: str, result: str, seconds: float) -> None:
-        """A wait in the queue ended: admitted, timeout, shed or gone."""
-
-    def queue_length(self, latency_class: str, length: int) -> None:
-        """The number of requests of a class waiting changed."""
-
-
-class _NoObserver:
-    def quota_rejected(self, tenant: str, limit: str) -> None:
-        pass
-
-    def shed(self, latency_class: str, reason: str) -> None:
-        pass
-
-    def waited(self, latency_class: str, result: str, seconds: float) -> None:
-        pass
-
-    def queue_length(self, latency_class: str, length: int) -> None:
-        pass
 
 
 class _CompletionRate:
@@ -133,7 +88,7 @@ class AdmissionController:
         self.quotas = quotas
         self.classifier = classifier
         self.config = config
-        self.observer: AdmissionObserver = observer or _NoObserver()
+        self.observer: AdmissionObserver = observer or NoObserver()
         self.queue = AdmissionQueue()
         self.active: dict[str, int] = {}
         self.queued: dict[str, int] = {}

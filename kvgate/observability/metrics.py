@@ -106,7 +106,7 @@ class GatewayMetrics:
 
 
 class AdmissionMetrics:
-    """The admission controller's observer (`kvgate.chain.admission.AdmissionObserver`);
+    """The admission controller's observer (`kvgate.chain.admission_ports.AdmissionObserver`);
     tenant labels are config-bounded names."""
 
     def __init__(self, registry: CollectorRegistry) -> None:

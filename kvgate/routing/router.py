@@ -261,7 +261,7 @@ class PoolRouter:
         return self.pickers[pool].uncached_tokens(ctx)
 
     def has_capacity(self, model: str, jurisdictions: frozenset[str] | None) -> bool:
-        """Admission's view of the fleet (`kvgate.chain.admission.Capacity`)."""
+        """Admission's view of the fleet (`kvgate.chain.admission_ports.Capacity`)."""
         return self.fleet.has_capacity(model, jurisdictions)
 
 
