@@ -13,7 +13,9 @@ p90 there is the unloaded reference) and `3x` / `10x`, the rates at which round-
 p90 is 3 and 10 times that reference. A short search on round-robin finds them, printing every
 probe: double the rate until the p90 passes the highest multiple asked for, then interpolate
 log p90 against log rate and probe the estimate, at most `--search-probes` times per target,
-keeping the probe closest to it (a probe within 25% ends the search). `--rates` gives the rates
+keeping the probe closest to it above the lower target's rate (a probe within 25% ends the
+search). Near overload round-robin's p90 climbs steeply with the rate, so the 10x rate is found
+less precisely than the 3x one (every probe is printed). `--rates` gives the rates
 instead. So a figure means the same on any machine: "where round-robin is 3x slower than
 unloaded".
 
@@ -333,12 +335,14 @@ def per_workload(spec: str, workload: str) -> list[float] | None:
 
 
 def _interpolate(probes: dict[float, float], target: float) -> float:
-    """The rate where p90 reaches `target`: log-log between the first bracketing probes, or
-    double the highest rate if no probe reaches it yet."""
+    """The rate where p90 reaches `target`: log-log between the first bracketing probes (kept
+    within the middle of the bracket, and halving it where p90 jumps more than tenfold, as at
+    the edge of overload), or double the highest rate if no probe reaches it yet."""
     ordered = sorted(probes.items())
     for (r1, p1), (r2, p2) in itertools.pairwise(ordered):
         if p1 < target <= p2:
             share = (math.log(target) - math.log(p1)) / (math.log(p2) - math.log(p1))
+            share = 0.5 if p2 > 10 * p1 else min(0.8, max(0.2, share))
             return float(f"{math.exp(math.log(r1) + share * math.log(r2 / r1)):.3g}")
     if ordered[-1][1] < target:
         return ordered[-1][0] * 2
@@ -372,21 +376,27 @@ def search_loads(
             break
         rate *= 2
         p90s[rate] = probe(rate)
-    found = {}
+    found: dict[float, float] = {}
+    below = light  # each multiple's rate lies above the previous one's
     for multiple in sorted(multiples):
         target = multiple * unloaded
 
         def error(r: float, target: float = target) -> float:
             return abs(math.log(p90s[r] / target))
 
+        def closest(below: float = below) -> float:
+            above = [r for r in p90s if r > below]
+            return min(above, key=error) if above else max(p90s)
+
         for _ in range(args.search_probes):
-            if error(min(p90s, key=error)) <= math.log(SEARCH_TOLERANCE):
+            if error(closest()) <= math.log(SEARCH_TOLERANCE):
                 break
-            estimate = _interpolate(p90s, target)
+            above = {r: p for r, p in p90s.items() if r >= below}
+            estimate = _interpolate(above, target)
             if estimate in p90s:
                 break
             p90s[estimate] = probe(estimate)
-        found[multiple] = min(p90s, key=error)
+        found[multiple] = below = closest()
     return found, probes
 
 
@@ -419,7 +429,7 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--light", default=DEFAULT_LIGHT, help="light rate: '8' or 'shared=12;...'")
     p.add_argument("--search-doublings", type=int, default=6, help="highest probe: light x 2^N")
-    p.add_argument("--search-probes", type=int, default=2, help="refining probes per target")
+    p.add_argument("--search-probes", type=int, default=4, help="refining probes per target")
     p.add_argument("--repeats", type=int, default=1, help="runs per cell (median reported)")
     p.add_argument("--engines", type=int, default=4)
     p.add_argument("--speed", type=float, default=2.0)

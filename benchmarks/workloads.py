@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 MODEL = "sim-model"
+# Local copies of the public files (README: Public traces) on the benchmark machine.
 DEFAULT_TRACE = Path("/work/shared/data/mooncake/synthetic_trace.jsonl")
 DEFAULT_AZURE_TRACE = Path("/work/shared/data/azure/AzureLLMInferenceTrace_conv.csv")
 _WORD_TEXT = (
