@@ -2,7 +2,7 @@
 cache-aware policy, each on a fresh simulated fleet with the same open-loop arrivals, at loads
 the benchmark finds itself, beside the cache hit rates no router can beat.
 
-    .venv/bin/python benchmarks/routing.py                   # every workload, load and router
+    .venv/bin/python benchmarks/routing.py                   # everything, logged in history/
     .venv/bin/python benchmarks/routing.py --workloads azure,mooncake --loads 3x --no-micro
     .venv/bin/python benchmarks/routing.py --workloads shared --rates shared=12,56 \\
         --routers kvgate,round_robin --repeats 3
@@ -61,7 +61,7 @@ import peer_router
 import routing_report
 from cache_ideals import cache_ideals
 from routing_report import Row
-from services import BENCH_DIR, PYTHON, free_port, gateway, prepend_results, stop, wait_ready
+from services import BENCH_DIR, PYTHON, append_results, free_port, gateway, stop, wait_ready
 from workloads import MODEL, TRACE_OF, WORKLOADS, Planned, add_arguments
 
 GATEWAY_POLICIES = ("random", "round_robin", "least_loaded", "kvgate")
@@ -444,7 +444,7 @@ def parse_args() -> argparse.Namespace:
         default=BENCH_DIR / f"routing-{datetime.date.today()}.png",
         help="the plot (default: beside RESULTS.md, named by date so older sections keep theirs)",
     )
-    p.add_argument("--no-results", action="store_true", help="do not add to RESULTS.md")
+    p.add_argument("--no-results", action="store_true", help="do not append to benchmarks/history/")
     p.add_argument(
         "--by-engine",
         action="store_true",
@@ -460,8 +460,8 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def run_workload(args: argparse.Namespace, workload: str) -> list[Row]:
-    """Every load x router cell of one workload."""
+def run_workload(args: argparse.Namespace, workload: str) -> tuple[list[Row], str]:
+    """Every load x router cell of one workload, and the search's probes in one line."""
     routers = args.routers.split(",")
     rates = per_workload(args.rates, workload)
     probes: dict[float, dict[str, Any]] = {}
@@ -486,7 +486,14 @@ def run_workload(args: argparse.Namespace, workload: str) -> list[Row]:
             row = Row(workload, label, rate, router, median_of(runs), ideals)
             rows.append(row)
             print(routing_report.progress(row), flush=True)
-    return rows
+    search = ""
+    if probes:
+        unloaded = next(iter(probes.values()))["ttft_p90"]
+        search = ", ".join(
+            f"{rate:g} req/s → {stats['ttft_p90']:.3f} s ({stats['ttft_p90'] / unloaded:.1f}x)"
+            for rate, stats in probes.items()
+        )
+    return rows, search
 
 
 def main() -> int:
@@ -498,13 +505,15 @@ def main() -> int:
     if micro_out:
         print(json.dumps(micro_out, indent=1), flush=True)
     rows: list[Row] = []
+    searches: dict[str, str] = {}
     if not args.micro:
         for workload in args.workloads.split(","):
             trace = getattr(args, TRACE_OF.get(workload, ""), None)
             if trace is not None and not trace.exists():
                 print(f"skipping {workload}: {trace} not found", flush=True)
                 continue
-            rows += run_workload(args, workload)
+            mine, searches[workload] = run_workload(args, workload)
+            rows += mine
     command = "python benchmarks/routing.py " + " ".join(sys.argv[1:])
     section = [
         f"## {datetime.date.today()}: routing quality beside sglang-router and the cache ideals",
@@ -515,13 +524,13 @@ def main() -> int:
     if micro_out:
         section += [decision_cost.summary(micro_out), ""]
     if rows:
-        section += routing_report.sections(rows, args)
+        section += routing_report.sections(rows, args, searches)
         if routing_report.plot(rows, args.out):
             section += [f"![routing]({args.out.name})", ""]
     text = "\n".join(section)
     print(text)
     if not args.no_results:
-        prepend_results(text)
+        append_results(text)
     return 0
 
 

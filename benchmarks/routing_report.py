@@ -146,8 +146,9 @@ def targets(rows: list[Row]) -> list[str]:
     return [f"- {line}" for line in out]
 
 
-def sections(rows: list[Row], args: argparse.Namespace) -> list[str]:
-    """RESULTS.md lines: per workload, the table, the details and the targets."""
+def sections(rows: list[Row], args: argparse.Namespace, searches: dict[str, str]) -> list[str]:
+    """RESULTS.md lines: per workload, the load search's probes (round-robin TTFT p90 and its
+    multiple of the unloaded p90, in probe order), the table, the details and the targets."""
     out = [
         f"{args.engines} simulated engines (realistic profile, speed {args.speed:g}, "
         f"{args.kv_blocks} KV blocks of 16 tokens each, max_num_seqs {args.max_num_seqs}), fresh "
@@ -167,6 +168,11 @@ def sections(rows: list[Row], args: argparse.Namespace) -> list[str]:
             f"({ideals.reused_blocks / args.kv_blocks:.1f}x one engine's KV, "
             f"{ideals.reused_blocks / (args.kv_blocks * args.engines):.0%} of the fleet's).",
             "",
+            *(
+                [f"Search on round-robin: {searches[workload]}.", ""]
+                if searches.get(workload)
+                else []
+            ),
             workload_table(mine),
             "",
             "<details><summary>details</summary>",

@@ -26,13 +26,6 @@ def append_results(section: str) -> None:
         results.write("\n" + section + "\n")
 
 
-def prepend_results(section: str) -> None:
-    """Put a results section at the top of benchmarks/RESULTS.md (newest first)."""
-    results = BENCH_DIR / "RESULTS.md"
-    rest = results.read_text() if results.exists() else ""
-    results.write_text(section.rstrip("\n") + "\n\n" + rest.lstrip("\n"))
-
-
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
