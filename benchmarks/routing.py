@@ -526,7 +526,8 @@ def main() -> int:
     if rows:
         section += routing_report.sections(rows, args, searches)
         if routing_report.plot(rows, args.out):
-            section += [f"![routing]({args.out.name})", ""]
+            # The section goes to history/; the plot lies beside RESULTS.md.
+            section += [f"![routing](../{args.out.name})", ""]
     text = "\n".join(section)
     print(text)
     if not args.no_results:

@@ -32,7 +32,7 @@ from typing import Any
 MODEL = "sim-model"
 # Local copies of the public files (README: Public traces) on the benchmark machine.
 DEFAULT_TRACE = Path("/work/shared/data/mooncake/synthetic_trace.jsonl")
-DEFAULT_AZURE_TRACE = Path("/work/shared/data/azure/AzureLLMInferenceTrace_conv.csv")
+DEFAULT_AZURE_TRACE = DEFAULT_TRACE.parent.parent / "azure" / "AzureLLMInferenceTrace_conv.csv"
 _WORD_TEXT = (
     "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike "
     "november oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee "
