@@ -46,16 +46,10 @@ from typing import Any
 import httpx
 import orjson
 import uvloop
-from routing import (
-    DEFAULT_TRACE,
-    WORKLOADS,
-    Planned,
-    gateway_yaml,
-    ideal_reuse,
-    machine,
-    sim_fleet,
-)
+from cache_ideals import cache_ideals
+from routing import gateway_yaml, machine, sim_fleet
 from services import PYTHON, append_results, free_port, stop, wait_ready
+from workloads import TRACE_OF, WORKLOADS, Planned, add_arguments
 
 READY_SECONDS = 15.0
 
@@ -476,9 +470,6 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--workloads", default="shared,sessions,mooncake")
     p.add_argument("--rate", type=float, default=10.0, help="arrivals per second")
-    p.add_argument(
-        "--requests", type=int, default=160, help="per workload (shared: spread over --groups)"
-    )
     p.add_argument("--speed", type=float, default=1.0, help="simulator speed (1 = realistic)")
     p.add_argument(
         "--spread",
@@ -486,29 +477,13 @@ def parse_args() -> argparse.Namespace:
         default="round_robin",
         help="how requests are spread over the replicas",
     )
-    p.add_argument(
-        "--trace",
-        type=Path,
-        default=DEFAULT_TRACE,
-        help="Mooncake synthetic trace (JSONL), the public file from the Mooncake project",
-    )
     p.add_argument("--engines", type=int, default=4)
     p.add_argument("--kv-blocks", type=int, default=700, help="per engine, 16 tokens each")
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--groups", type=int, default=8, help="shared: prompt groups")
-    p.add_argument("--system-tokens", type=int, default=2048, help="shared: common prefix")
-    p.add_argument("--output-tokens", type=int, default=32)
-    p.add_argument("--turns", type=int, default=4, help="sessions: turns per session")
-    p.add_argument("--turn-gap", type=float, default=3.0, help="sessions: seconds between turns")
-    p.add_argument("--session-system-tokens", type=int, default=512, help="sessions: system prompt")
-    p.add_argument("--trace-offset", type=int, default=0, help="mooncake: first trace line")
-    p.add_argument(
-        "--block-chars",
-        type=int,
-        default=160,
-        help="mooncake: text per hash_id (512 tokens scaled to ~32)",
-    )
     p.add_argument("--no-results", action="store_true", help="do not append to benchmarks/history/")
+    add_arguments(p)
+    # Smaller than routing.py's: every configuration replays every workload.
+    p.set_defaults(requests=160, groups=8, turns=4, turn_gap=3.0, trace_offset=0, block_chars=160)
     args = p.parse_args()
     args.per_group = max(1, args.requests // args.groups)  # what routing.shared_prefix reads
     return args
@@ -522,11 +497,13 @@ def main() -> int:
     started = time.monotonic()
     with redis_server() as redis_url:
         for workload in args.workloads.split(","):
-            if workload == "mooncake" and not args.trace.exists():
-                print(f"skipping mooncake: {args.trace} not found", flush=True)
+            trace = getattr(args, TRACE_OF.get(workload, ""), None)
+            if trace is not None and not trace.exists():
+                print(f"skipping {workload}: {trace} not found", flush=True)
                 continue
             plans = WORKLOADS[workload](args.rate, args)
-            ideal[workload] = ideal_reuse(plans)[0]
+            capacity = args.engines * args.kv_blocks
+            ideal[workload] = cache_ideals([p.body for p in plans], capacity).infinite_hit
             for setup in setups:
                 row = Row(workload, setup, run_setup(args, workload, setup, plans, redis_url))
                 rows.append(row)

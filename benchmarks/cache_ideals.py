@@ -1,0 +1,75 @@
+"""What no router can beat: prefix-cache hit rates computed offline from a workload's requests.
+
+Prompts are rendered and tokenized exactly as the simulated engines do (`kvgate.sim`'s chat
+template and tokenizer) and cut into the engine's chained blocks of `block_size` tokens, so the
+rates compare with `usage.prompt_tokens_details.cached_tokens` over `prompt_tokens`. As in the
+engine, a prompt's hit is its longest run of leading blocks found in the cache, excluding the
+block holding its last token (at least one token is always computed); requests are taken in
+arrival order, each seeing every earlier one complete (no request in flight holds memory).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from kvgate.sim.chat_template import render_chat
+from kvgate.sim.kv_cache import extend_block_hashes
+from kvgate.sim.options import BLOCK_SIZE
+from kvgate.sim.tokenizer import tokenize
+
+
+@dataclass(frozen=True, slots=True)
+class CacheIdeals:
+    infinite_hit: float  # every block ever seen is a hit when seen again
+    fleet_lru_hit: float  # one LRU cache as large as the fleet's whole KV memory
+    reused_blocks: int  # distinct blocks hit at least once with an infinite cache
+    prompt_tokens: int
+
+
+def prompt_blocks(body: dict[str, Any], block_size: int = BLOCK_SIZE) -> tuple[list[int], int]:
+    """The chained hashes of a chat request's full prompt blocks, and its prompt tokens."""
+    prompt = render_chat(body["messages"], add_generation_prompt=True, continue_final_message=False)
+    tokens = tokenize(prompt)
+    hashes: list[int] = []
+    extend_block_hashes(hashes, tokens, len(tokens), block_size, None)
+    return hashes, len(tokens)
+
+
+def cache_ideals(
+    bodies: list[dict[str, Any]], capacity_blocks: int, block_size: int = BLOCK_SIZE
+) -> CacheIdeals:
+    """Hit rates of an infinite cache and of one LRU cache of `capacity_blocks` blocks over
+    `bodies` (chat requests in arrival order). The LRU cache touches a prompt's blocks last to
+    first, so a prompt's head outlives its tail, as when an engine frees a sequence's blocks
+    tail first."""
+    seen: set[int] = set()
+    reused: set[int] = set()
+    lru: OrderedDict[int, None] = OrderedDict()
+    infinite = bounded = total = 0
+    for body in bodies:
+        hashes, tokens = prompt_blocks(body, block_size)
+        total += tokens
+        lookable = hashes[: (tokens - 1) // block_size]
+        depth = 0
+        while depth < len(lookable) and lookable[depth] in seen:
+            depth += 1
+        infinite += depth * block_size
+        reused.update(lookable[:depth])
+        seen.update(hashes)
+        depth = 0
+        while depth < len(lookable) and lookable[depth] in lru:
+            depth += 1
+        bounded += depth * block_size
+        for block_hash in reversed(hashes):
+            lru[block_hash] = None
+            lru.move_to_end(block_hash)
+        while len(lru) > capacity_blocks:
+            lru.popitem(last=False)
+    return CacheIdeals(
+        infinite_hit=infinite / total if total else 0.0,
+        fleet_lru_hit=bounded / total if total else 0.0,
+        reused_blocks=len(reused),
+        prompt_tokens=total,
+    )

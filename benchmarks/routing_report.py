@@ -1,0 +1,222 @@
+"""Tables, target checks and the plot of `routing.py`'s cells."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cache_ideals import CacheIdeals
+
+COLUMN_NAMES = {"sglang": "sglang-router cache_aware"}
+LOADED = ("3x", "10x")
+
+
+@dataclass
+class Row:
+    workload: str
+    load: str  # "light", "3x", "10x", or "<rate> req/s" when the rates were given
+    rate: float
+    router: str
+    stats: dict[str, Any]
+    ideals: CacheIdeals
+
+    @property
+    def ran(self) -> bool:
+        return "unavailable" not in self.stats
+
+    @property
+    def hit_of_lru(self) -> float:
+        ideal = self.ideals.fleet_lru_hit
+        return self.stats["hit_cached_tokens"] / ideal if ideal else math.nan
+
+
+def _fmt(value: float | None, digits: int = 2) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return f"{value:.{digits}f}"
+
+
+def progress(row: Row) -> str:
+    """One line per finished cell."""
+    head = f"{row.workload} {row.load} ({row.rate:g} req/s) {row.router}:"
+    if not row.ran:
+        return f"{head} did not run: {row.stats['unavailable']}"
+    s = row.stats
+    return (
+        f"{head} TTFT p50 {s['ttft_p50']:.3f} p90 {s['ttft_p90']:.3f} s, hit "
+        f"{s['hit_cached_tokens']:.3f} ({row.hit_of_lru:.0%} of fleet-LRU ideal "
+        f"{row.ideals.fleet_lru_hit:.3f}), engines {s['loads']}, failed {s['failed']} "
+        f"{s['failures'] or ''}, sim lag p99 {s['sim_lag_p99_ms']:.0f} ms"
+    )
+
+
+def _cell(row: Row | None) -> str:
+    if row is None:
+        return ""
+    if not row.ran:
+        return "did not run: " + row.stats["unavailable"].replace("|", "/").replace("\n", " ")
+    s = row.stats
+    return (
+        f"{_fmt(s['ttft_p50'])} / {_fmt(s['ttft_p90'])} · {_fmt(s['hit_cached_tokens'])} "
+        f"({row.hit_of_lru:.0%}) · {s['failed']}"
+    )
+
+
+def workload_table(rows: list[Row]) -> str:
+    """Rows = loads, columns = routers."""
+    routers = list(dict.fromkeys(r.router for r in rows))
+    loads = list(dict.fromkeys((r.load, r.rate) for r in rows))
+    by = {(r.load, r.router): r for r in rows}
+    names = [COLUMN_NAMES.get(router, router) for router in routers]
+    lines = [
+        "| load | req/s | ideal: infinite | ideal: fleet LRU | " + " | ".join(names) + " |",
+        "|---|---|---|---|" + "---|" * len(routers),
+    ]
+    for load, rate in loads:
+        ideals = next(r.ideals for r in rows if r.load == load)
+        lines.append(
+            f"| {load} | {rate:g} | {ideals.infinite_hit:.2f} | {ideals.fleet_lru_hit:.2f} | "
+            + " | ".join(_cell(by.get((load, router))) for router in routers)
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def details_table(rows: list[Row]) -> str:
+    lines = [
+        "| load | router | n | failed (kinds) | TTFT p99 s | output tok/s | hit (engine) "
+        "| requests per engine | max/mean | sim lag p99 ms |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        if not row.ran:
+            continue
+        s = row.stats
+        kinds = ", ".join(f"{k}: {v}" for k, v in s["failures"].items())
+        lines.append(
+            f"| {row.load} | {row.router} | {s['requests']} | {s['failed']}"
+            f"{f' ({kinds})' if kinds else ''} | {_fmt(s['ttft_p99'])} "
+            f"| {_fmt(s['output_tok_s'], 0)} | {_fmt(s['hit_engine'])} "
+            f"| {'/'.join(str(round(n)) for n in s['loads'])} "
+            f"| {_fmt(s['max_over_mean_load'])} | {_fmt(s['sim_lag_p99_ms'], 0)} |"
+        )
+    return "\n".join(lines)
+
+
+def _verdict(ok: bool) -> str:
+    return "holds" if ok else "misses"
+
+
+def targets(rows: list[Row]) -> list[str]:
+    """Issue 14's targets for kvgate on one workload, as far as these cells exercise them."""
+    by = {(r.load, r.router): r for r in rows if r.ran}
+    out = []
+    light = [r for r in rows if r.load == "light" and r.ran]
+    kv = by.get(("light", "kvgate"))
+    if kv and light:
+        best = min(r.stats["ttft_p50"] for r in light)
+        out.append(
+            f"light: TTFT p50 kvgate {kv.stats['ttft_p50']:.3f} s vs best column {best:.3f} s "
+            f"({_verdict(kv.stats['ttft_p50'] <= 1.05 * best)} within 5%)"
+        )
+    for load in LOADED:
+        kv = by.get((load, "kvgate"))
+        if kv is None:
+            continue
+        checks = []
+        for router, share in (("sglang", 0.5), ("round_robin", 1 / 3)):
+            other = by.get((load, router))
+            if other:
+                mine, theirs = kv.stats["ttft_p90"], other.stats["ttft_p90"]
+                checks.append(
+                    f"p90 kvgate {mine:.2f} s vs {router} {theirs:.2f} s "
+                    f"({_verdict(mine <= share * theirs)} ≤ {share:.2g}x)"
+                )
+        out.append(f"{load}: " + "; ".join(checks))
+    for row in rows:
+        if row.router == "kvgate" and row.ran:
+            out.append(
+                f"{row.load}: kvgate hit {row.hit_of_lru:.0%} of the fleet-LRU ideal "
+                f"({_verdict(row.hit_of_lru >= 0.9)} ≥ 90%), {row.stats['failed']} failed "
+                f"({_verdict(row.stats['failed'] == 0)} zero)"
+            )
+    return [f"- {line}" for line in out]
+
+
+def sections(rows: list[Row], args: argparse.Namespace, searches: dict[str, str]) -> list[str]:
+    """RESULTS.md lines: per workload, the load search's probes (round-robin TTFT p90 and its
+    multiple of the unloaded p90, in probe order), the table, the details and the targets."""
+    out = [
+        f"{args.engines} simulated engines (realistic profile, speed {args.speed:g}, "
+        f"{args.kv_blocks} KV blocks of 16 tokens each, max_num_seqs {args.max_num_seqs}), fresh "
+        f"per cell; seed {args.seed}; {args.repeats} run(s) per cell (median). Cells: TTFT p50 / "
+        "p90 s · prefix hit (cached_tokens / prompt tokens) (as a share of the fleet-LRU ideal) "
+        "· failed requests.",
+        "",
+    ]
+    for workload in dict.fromkeys(r.workload for r in rows):
+        mine = [r for r in rows if r.workload == workload]
+        ideals = mine[0].ideals
+        out += [
+            f"### {workload}",
+            "",
+            f"{mine[0].stats.get('requests', '?')} requests, {ideals.prompt_tokens} prompt "
+            f"tokens; blocks reused at least once (infinite cache): {ideals.reused_blocks} "
+            f"({ideals.reused_blocks / args.kv_blocks:.1f}x one engine's KV, "
+            f"{ideals.reused_blocks / (args.kv_blocks * args.engines):.0%} of the fleet's).",
+            "",
+            *(
+                [f"Search on round-robin: {searches[workload]}.", ""]
+                if searches.get(workload)
+                else []
+            ),
+            workload_table(mine),
+            "",
+            "<details><summary>details</summary>",
+            "",
+            details_table(mine),
+            "",
+            "</details>",
+            "",
+            "Targets (issue 14):",
+            "",
+            *targets(mine),
+            "",
+        ]
+    return out
+
+
+def plot(rows: list[Row], path: Path) -> bool:
+    """TTFT p90 and hit / fleet-LRU ideal against rate, per workload and router."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    workloads = list(dict.fromkeys(r.workload for r in rows))
+    fig, axes = plt.subplots(2, len(workloads), figsize=(5 * len(workloads), 8), squeeze=False)
+    for col, workload in enumerate(workloads):
+        for router in dict.fromkeys(r.router for r in rows):
+            mine = sorted(
+                (r for r in rows if r.workload == workload and r.router == router and r.ran),
+                key=lambda r: r.rate,
+            )
+            if not mine:
+                continue
+            label = COLUMN_NAMES.get(router, router)
+            rates = [r.rate for r in mine]
+            axes[0][col].plot(rates, [r.stats["ttft_p90"] for r in mine], marker="o", label=label)
+            axes[1][col].plot(rates, [r.hit_of_lru for r in mine], marker="o", label=label)
+        axes[0][col].set_title(f"{workload}: TTFT p90 (s)")
+        axes[0][col].set_yscale("log")
+        axes[1][col].set_title(f"{workload}: hit / fleet-LRU ideal")
+        axes[1][col].set_xlabel("request rate (req/s)")
+        axes[0][col].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
