@@ -103,8 +103,9 @@ class Forwarder:
                     if holding_retry:
                         budget.release()
                         holding_retry = False
-                    endpoint = await self._next_endpoint(ctx, error, limits, budget, tried)
-                    holding_retry = True
+                    endpoint, holding_retry = await self._next_endpoint(
+                        ctx, error, limits, budget, tried
+                    )
                     ctx.endpoint = endpoint
         finally:
             if holding_retry:
@@ -117,9 +118,12 @@ class Forwarder:
         limits: RequestTimeouts,
         budget: RetryBudget,
         tried: list[Endpoint],
-    ) -> Endpoint:
-        """The endpoint for the next attempt, after the back-off (holding a retry from the
-        budget); raises `error` when the policy says to stop."""
+    ) -> tuple[Endpoint, bool]:
+        """The endpoint for the next attempt, after the back-off, and whether the retry holds
+        a place in the budget; raises `error` when the policy says to stop. A failure that is
+        the endpoint's own while the rest of the pool serves (`Resilience.failure_is_local`)
+        is retried even when the budget is spent: the budget stops retry storms on a sick
+        pool, not the redirection of requests away from one dead engine."""
         verdict = judge(error, limits.client_shortened)
         if not verdict.retriable or ctx.client_gone:
             raise self._final(error)
@@ -138,19 +142,24 @@ class Forwarder:
         remaining = limits.remaining()
         if remaining <= delay or (error.retry_after or 0) > remaining:
             raise stop("deadline")
-        if not budget.try_acquire():
+        held = budget.try_acquire()
+        if not held and not (
+            verdict.endpoint_failure and self.resilience.failure_is_local(tried[-1])
+        ):
             raise stop("budget")
         try:
             endpoint = self.picker.choose(ctx, exclude=tried)
             observer.retry(pool, str(error.code))
             await asyncio.sleep(delay)
         except KvgateError:
-            budget.release()
+            if held:
+                budget.release()
             raise stop("no_endpoint") from None
         except BaseException:
-            budget.release()
+            if held:
+                budget.release()
             raise
-        return endpoint
+        return endpoint, held
 
     def _final(self, error: KvgateError) -> KvgateError:
         """The error the client gets: an engine failure tells it when to come back."""

@@ -7,10 +7,12 @@ breaker, installed as `Endpoint.breaker` so that routing skips endpoints it does
 
 from __future__ import annotations
 
+import time
+
 from kvgate.config import Config, ResilienceConfig
 from kvgate.routing.endpoints import Endpoint, Fleet
 from kvgate.upstream.attempts import Verdict
-from kvgate.upstream.breaker import EjectionGroup, EndpointBreaker
+from kvgate.upstream.breaker import BreakerState, EjectionGroup, EndpointBreaker
 from kvgate.upstream.observer import NULL_OBSERVER, ResilienceObserver
 from kvgate.upstream.retry_budget import RetryBudget
 from kvgate.upstream.throttle import AdaptiveThrottle
@@ -27,12 +29,32 @@ class Resilience:
         self.budgets = {p.name: RetryBudget(settings.retry_budget) for p in fleet.pools}
         self.throttles = {p.name: AdaptiveThrottle(settings.throttle) for p in fleet.pools}
         self.breakers: dict[Endpoint, EndpointBreaker] = {}
+        self._pool_endpoints = {p.name: list(p.endpoints) for p in fleet.pools}
         for pool in fleet.pools:
             group = EjectionGroup(settings.breaker.max_ejected_fraction)
             for endpoint in pool.endpoints:
                 breaker = EndpointBreaker(endpoint.name, settings.breaker, group, observer)
                 self.breakers[endpoint] = breaker
                 endpoint.breaker = breaker
+
+    def failure_is_local(self, endpoint: Endpoint) -> bool:
+        """Whether a failure of `endpoint` is its own and not its pool's: no other endpoint of
+        the pool that routing may use is failing (consecutive failures, breaker not closed),
+        and at least one of them is serving (requests in flight, or a success within the
+        breaker's window). Retrying away from such an endpoint moves a request from a dead
+        engine to live ones; it is not the extra load on a sick pool that budgets exist to
+        stop."""
+        now = time.monotonic()
+        serving = False
+        for other in self._pool_endpoints.get(endpoint.pool, ()):
+            if other is endpoint or not other.routable:
+                continue
+            breaker = self.breakers[other]
+            if breaker.consecutive_failures or breaker.state is not BreakerState.CLOSED:
+                return False
+            if other.inflight or now - other.last_success < self.settings.breaker.window:
+                serving = True
+        return serving
 
     def health_recovered(self, endpoint: Endpoint) -> None:
         """Hook for the health monitor: `endpoint` passed its check after failing it."""
