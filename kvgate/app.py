@@ -218,7 +218,8 @@ class GatewayApp:
                     f"{scope['method']} is not allowed on {scope['path']}; use POST",
                     code="method_not_allowed",
                 )
-            body = await read_body(headers, receive, self.config.server.max_body_bytes)
+            server = self.config.server
+            body = await read_body(headers, receive, server.max_body_bytes, server.body_timeout)
             payload, _, _ = parse_payload(route, body)
             ctx = request_context(
                 route,

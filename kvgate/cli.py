@@ -26,9 +26,13 @@ DEMO_MODEL = "sim-model"
 DEMO_ENGINES = 2
 
 
-def _uvicorn_options(host: str, port: int, log_level: str) -> dict[str, Any]:
-    """The server options of every way kvgate runs uvicorn (one process or several)."""
+def _uvicorn_options(
+    host: str, port: int, log_level: str, keepalive: float = 5.0
+) -> dict[str, Any]:
+    """The server options of every way kvgate runs uvicorn (one process or several);
+    `keepalive`: seconds before an idle keep-alive connection is closed."""
     return {
+        "timeout_keep_alive": keepalive,
         "host": host,
         "port": port,
         "loop": "uvloop",
@@ -99,11 +103,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             "kvgate.app:app_from_env",
             factory=True,
             workers=args.workers,
-            **_uvicorn_options(host, port, args.log_level),
+            **_uvicorn_options(host, port, args.log_level, config.server.keepalive_timeout),
         )
         return 0
     app = GatewayApp(config)
-    public = uvicorn.Server(uvicorn.Config(app, **_uvicorn_options(host, port, args.log_level)))
+    options = _uvicorn_options(host, port, args.log_level, config.server.keepalive_timeout)
+    public = uvicorn.Server(uvicorn.Config(app, **options))
     if config.server.admin_port is None:
         public.run()
         return 0

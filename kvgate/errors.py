@@ -7,6 +7,7 @@
     │   ├── PermissionDenied         403
     │   ├── NotFound                 404 (model_not_found, unknown route)
     │   ├── MethodNotAllowed         405
+    │   ├── RequestTimeout           408 the body did not arrive within server.body_timeout
     │   └── PayloadTooLarge          413
     ├── GatewayRefused               kvgate chose not to run the request now
     │   ├── RateLimited              429 (quota), with Retry-After
@@ -111,6 +112,11 @@ class NotFound(ClientError):
 class MethodNotAllowed(ClientError):
     status = 405
     default_code = "method_not_allowed"
+
+
+class RequestTimeout(ClientError):
+    status = 408
+    default_code = "request_timeout"
 
 
 class PayloadTooLarge(ClientError):

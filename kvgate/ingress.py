@@ -8,13 +8,14 @@ through untouched for the engine to judge.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
 import orjson
 
 from kvgate.asgi import Receive
-from kvgate.errors import InvalidRequest, PayloadTooLarge
+from kvgate.errors import InvalidRequest, PayloadTooLarge, RequestTimeout
 from kvgate.message_schema import check_message
 from kvgate.prompt_view import PromptView
 from kvgate.request_options import RequestOptions, parse_request_options
@@ -28,9 +29,12 @@ INFERENCE_ROUTES: dict[str, str] = {
 }
 
 
-async def read_body(headers: list[tuple[bytes, bytes]], receive: Receive, limit: int) -> bytes:
+async def read_body(
+    headers: list[tuple[bytes, bytes]], receive: Receive, limit: int, within: float = 30.0
+) -> bytes:
     """The request body; 413 before reading when Content-Length exceeds `limit`, and as soon as
-    the bytes read exceed it otherwise."""
+    the bytes read exceed it otherwise; 408 when the whole body has not arrived within
+    `within` seconds (a client trickling bytes holds no connection for longer)."""
     for name, value in headers:
         if name == b"content-length":
             try:
@@ -44,18 +48,24 @@ async def read_body(headers: list[tuple[bytes, bytes]], receive: Receive, limit:
             break
     chunks: list[bytes] = []
     size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGone
-        chunk = message.get("body", b"")
-        if chunk:
-            size += len(chunk)
-            if size > limit:
-                raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-            chunks.append(chunk)
-        if not message.get("more_body", False):
-            break
+    try:
+        async with asyncio.timeout(within):
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise ClientGone
+                chunk = message.get("body", b"")
+                if chunk:
+                    size += len(chunk)
+                    if size > limit:
+                        raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+                    chunks.append(chunk)
+                if not message.get("more_body", False):
+                    break
+    except TimeoutError:
+        raise RequestTimeout(
+            f"the request body did not arrive within {within:g} s", code="request_timeout"
+        ) from None
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
