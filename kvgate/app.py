@@ -28,6 +28,7 @@ from kvgate.chain.responses_gate import ResponsesStage
 from kvgate.chain.tenants import TenantDirectory
 from kvgate.config import Config, StateConfig
 from kvgate.errors import KvgateError, MethodNotAllowed, NotFound
+from kvgate.http_server import use_header_timeout
 from kvgate.ingress import INFERENCE_ROUTES, ClientGone, parse_payload, read_body, request_context
 from kvgate.observability.access_log import AccessLog
 from kvgate.observability.metrics import AdmissionMetrics, GatewayMetrics
@@ -294,4 +295,6 @@ def app_from_env() -> GatewayApp:
     by $KVGATE_CONFIG and is a full replica with its own local state."""
     from kvgate.config import load_config
 
-    return GatewayApp(load_config(os.environ[CONFIG_ENV]))
+    config = load_config(os.environ[CONFIG_ENV])
+    use_header_timeout(config.server.header_timeout)
+    return GatewayApp(config)

@@ -16,6 +16,7 @@ import uvicorn
 
 from kvgate import __version__
 from kvgate.config import Config, ConfigError, load_config, parse_config
+from kvgate.http_server import HeaderDeadlineProtocol, use_header_timeout
 from kvgate.routing.policy import RoutingPolicy
 from kvgate.routing.policy_catalog import BUILTIN, load_policies, shipped_names, shipped_text
 
@@ -30,13 +31,14 @@ def _uvicorn_options(
     host: str, port: int, log_level: str, keepalive: float = 5.0
 ) -> dict[str, Any]:
     """The server options of every way kvgate runs uvicorn (one process or several);
-    `keepalive`: seconds before an idle keep-alive connection is closed."""
+    `keepalive`: seconds before an idle keep-alive connection is closed. Requests' headers
+    have a deadline too (`kvgate/http_server.py`, `use_header_timeout`)."""
     return {
         "timeout_keep_alive": keepalive,
+        "http": HeaderDeadlineProtocol,
         "host": host,
         "port": port,
         "loop": "uvloop",
-        "http": "httptools",
         "lifespan": "on",
         "access_log": False,
         "log_level": log_level,
@@ -107,6 +109,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         )
         return 0
     app = GatewayApp(config)
+    use_header_timeout(config.server.header_timeout)
     options = _uvicorn_options(host, port, args.log_level, config.server.keepalive_timeout)
     public = uvicorn.Server(uvicorn.Config(app, **options))
     if config.server.admin_port is None:

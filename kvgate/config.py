@@ -49,9 +49,11 @@ class ServerConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
     max_body_bytes: int = Field(10 * 1024 * 1024, gt=0)
-    # Seconds for a request's whole body to arrive (408 after), and for an idle keep-alive
-    # connection to be closed: slow or idle clients hold no memory or socket for longer.
+    # Seconds for a request's headers to arrive (the connection is closed after) and its whole
+    # body (408 after), and for an idle keep-alive connection to be closed: slow or idle
+    # clients hold no memory or socket for longer.
     body_timeout: float = Field(30.0, gt=0)
+    header_timeout: float = Field(10.0, gt=0)
     keepalive_timeout: float = Field(5.0, gt=0)
     access_log: bool = True
     # A second listener for /metrics and /admin/* only (then unknown on `port`).

@@ -174,3 +174,42 @@ def test_check_config_reports_policy_problems(tmp_path: Path):
     result = subprocess.run([*KVGATE, "check-config", str(config)], capture_output=True, text=True)
     assert result.returncode == 1
     assert f"{config}: pools[0].policy: unknown policy 'fastest'" in result.stderr
+
+
+def test_serve_closes_connections_whose_headers_trickle(tmp_path: Path):
+    """uvicorn alone never times a request's headers; kvgate serve closes the connection after
+    `server.header_timeout` while other clients are served."""
+    port = _free_port()
+    config = tmp_path / "gw.yaml"
+    config.write_text(
+        f"server: {{port: {port}, header_timeout: 1}}\n"
+        "auth: none\npools:\n  - name: p\n    endpoints: [{url: 'http://127.0.0.1:9'}]\n"
+    )
+    proc = subprocess.Popen(
+        [*KVGATE, "serve", "--config", str(config), "--log-level", "warning"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_ready(url, proc)
+        slow = socket.create_connection(("127.0.0.1", port))
+        slow.settimeout(10)
+        started = time.monotonic()
+        slow.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        closed = False
+        for byte in b"X-Slow: " + b"a" * 40:
+            try:
+                slow.sendall(bytes([byte]))
+            except OSError:
+                closed = True
+                break
+            time.sleep(0.1)
+            assert httpx.get(url + "/healthz", timeout=2).status_code == 200  # others served
+            if time.monotonic() - started > 1.5:
+                closed = slow.recv(1) == b""
+                break
+        assert closed, "the trickling connection was not closed"
+        slow.close()
+    finally:
+        _stop(proc)

@@ -35,6 +35,7 @@ _MODULE_LAYERS = {
     "kvgate.ingress": "ingress",
     "kvgate.app": "app",
     "kvgate.cli": "cli",
+    "kvgate.http_server": "base",
 }
 _BELOW = {
     "base": set(),

@@ -1,0 +1,58 @@
+"""The HTTP server protocol kvgate runs: uvicorn's httptools protocol with a deadline for each
+request's line and headers.
+
+uvicorn times a connection only while it is idle between requests (the keep-alive timeout);
+a client that opens a connection and sends its request line and headers slowly, or never
+finishes them, would hold the connection and its buffers for as long as it likes. Here each
+request's headers must be complete within `header_timeout` seconds of the request's first
+byte (or of the connection being opened), or the connection is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+
+class HeaderDeadlineProtocol(HttpToolsProtocol):
+    """`HttpToolsProtocol` closing connections whose headers do not arrive in time."""
+
+    header_timeout = 10.0
+    _header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._arm()
+
+    def on_headers_complete(self) -> None:
+        self._disarm()
+        super().on_headers_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._header_timer = self.loop.call_later(self.header_timeout, self._headers_too_slow)
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_too_slow(self) -> None:
+        self._header_timer = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+
+def use_header_timeout(seconds: float) -> None:
+    """Set the header deadline of this process's connections (each worker process sets its
+    own from the config it loads; the class is passed to uvicorn by reference)."""
+    HeaderDeadlineProtocol.header_timeout = seconds
