@@ -10,7 +10,6 @@ import asyncio
 import functools
 import gc
 import logging
-import os
 import time
 from collections.abc import Mapping
 
@@ -28,11 +27,10 @@ from kvgate.chain.responses_gate import ResponsesStage
 from kvgate.chain.tenants import TenantDirectory
 from kvgate.config import Config, StateConfig
 from kvgate.errors import KvgateError, MethodNotAllowed, NotFound
-from kvgate.http_server import use_header_timeout
 from kvgate.ingress import INFERENCE_ROUTES, ClientGone, parse_payload, read_body, request_context
 from kvgate.observability.access_log import AccessLog
-from kvgate.observability.metrics import AdmissionMetrics, GatewayMetrics
-from kvgate.observability.resilience import BreakerStateCollector, ResilienceMetrics
+from kvgate.observability.metrics import GatewayMetrics
+from kvgate.observability.resilience import BreakerStateCollector
 from kvgate.observability.routing import RoutingCollector
 from kvgate.observability.state import StateCollector
 from kvgate.request_options import REQUEST_ID, parse_request_options, request_id_from
@@ -76,10 +74,13 @@ def build_store(config: StateConfig) -> MemoryStore | RedisStore:
 
 class GatewayApp:
     """Assembled from a validated Config; raises ConfigError when a pool's routing policy
-    cannot be loaded (`kvgate check-config` reports the same problems)."""
+    cannot be loaded (`kvgate check-config` reports the same problems). `metrics` is the
+    process's instruments when an app built from an earlier config hands them on (reload)."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, metrics: GatewayMetrics | None = None) -> None:
         self.config = config
+        # Set when the process starts to drain (SIGTERM): /readyz answers 503 from then on.
+        self.draining = False
         self.fleet = Fleet(
             (build_pool(p, config.routing) for p in config.pools), config.health.panic_threshold
         )
@@ -93,9 +94,7 @@ class GatewayApp:
         )
         self.routing.index.add_endpoints(e.name for e in self.fleet.endpoints)
         self.picker = build_router(self.fleet, load_policies(config), self.routing)
-        self.metrics = GatewayMetrics(self.fleet)
-        self.metrics.registry.register(RoutingCollector(self.fleet, self.routing))
-        self.metrics.registry.register(StateCollector(self.store, self.fleet))
+        self.metrics = metrics if metrics is not None else GatewayMetrics()
         self.access_log = AccessLog(enabled=config.server.access_log)
         self.tenants = TenantDirectory(config.auth, config.tiers)
         self.classifier = Classifier(config.classification)
@@ -104,7 +103,7 @@ class GatewayApp:
             self.store.quotas,
             self.classifier,
             config.admission,
-            AdmissionMetrics(self.metrics.registry),
+            self.metrics.admission,
         )
         self.admin = AdminRoutes(
             self.tenants,
@@ -120,8 +119,13 @@ class GatewayApp:
         self.client = build_control_client(config.upstream, config.timeouts)
         self.transport = UpstreamTransport(config.upstream, config.timeouts.connect)
         # Breakers on every endpoint, retry budgets and throttles per pool (docs/resilience.md).
-        self.resilience = Resilience(config, self.fleet, ResilienceMetrics(self.metrics.registry))
-        self.metrics.registry.register(BreakerStateCollector(self.resilience))
+        self.resilience = Resilience(config, self.fleet, self.metrics.resilience)
+        # This app's state, read at scrape time (per process: docs/observability.md).
+        self.views = (
+            RoutingCollector(self.fleet, self.routing),
+            StateCollector(self.store, self.fleet),
+            BreakerStateCollector(self.resilience),
+        )
         self.health = HealthMonitor(
             self.fleet, self.client, config.health, on_recovered=self.resilience.health_recovered
         )
@@ -257,7 +261,7 @@ class GatewayApp:
 
     def _settle(self, ctx: RequestContext) -> None:
         self.routing.feedback.observe(ctx)
-        self.metrics.observe(ctx)
+        self.metrics.observe(ctx, self.fleet)
         self.access_log.finished(ctx)
 
     async def _operational(self, scope: Scope, send: Send) -> None:
@@ -278,23 +282,12 @@ class GatewayApp:
             await send_bytes(send, 200, b'{"status":"ok"}', JSON)
         elif path == "/readyz":
             unready = self.fleet.unready_pools()
-            if unready:
+            if self.draining:
+                await send_bytes(send, 503, b'{"status":"draining"}', JSON)
+            elif unready:
                 body = {"status": "unready", "pools_without_healthy_endpoint": unready}
                 await send_bytes(send, 503, orjson.dumps(body), JSON)
             else:
                 await send_bytes(send, 200, b'{"status":"ready"}', JSON)
         else:
-            await send_bytes(send, 200, self.metrics.render(), _PROMETHEUS)
-
-
-CONFIG_ENV = "KVGATE_CONFIG"
-
-
-def app_from_env() -> GatewayApp:
-    """Factory for `kvgate serve --workers N`: each worker process loads the config file named
-    by $KVGATE_CONFIG and is a full replica with its own local state."""
-    from kvgate.config import load_config
-
-    config = load_config(os.environ[CONFIG_ENV])
-    use_header_timeout(config.server.header_timeout)
-    return GatewayApp(config)
+            await send_bytes(send, 200, self.metrics.render(self.views), _PROMETHEUS)

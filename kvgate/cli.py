@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import logging
+import logging.config
+import math
 import os
 import socket
 import sys
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,18 +19,24 @@ import uvicorn
 from kvgate import __version__
 from kvgate.config import Config, ConfigError, load_config, parse_config
 from kvgate.http_server import HeaderDeadlineProtocol, use_header_timeout
+from kvgate.observability.log_format import LOG_FORMATS, logging_config
 from kvgate.routing.policy import RoutingPolicy
 from kvgate.routing.policy_catalog import BUILTIN, load_policies, shipped_names, shipped_text
 
 if TYPE_CHECKING:
-    from kvgate.app import GatewayApp
+    from kvgate.hot_reload import ReloadableGateway
 
 DEMO_MODEL = "sim-model"
 DEMO_ENGINES = 2
 
 
 def _uvicorn_options(
-    host: str, port: int, log_level: str, keepalive: float = 5.0
+    host: str,
+    port: int,
+    log_level: str,
+    log_format: str,
+    keepalive: float = 5.0,
+    drain_seconds: float = 5,
 ) -> dict[str, Any]:
     """The server options of every way kvgate runs uvicorn (one process or several);
     `keepalive`: seconds before an idle keep-alive connection is closed. Requests' headers
@@ -42,8 +50,11 @@ def _uvicorn_options(
         "lifespan": "on",
         "access_log": False,
         "log_level": log_level,
+        # Every process uvicorn starts logs like this one (workers included).
+        "log_config": logging_config(log_level, log_format),
         "server_header": False,
-        "timeout_graceful_shutdown": 5,
+        # uvicorn takes whole seconds; round up so a grace is never shortened.
+        "timeout_graceful_shutdown": math.ceil(drain_seconds),
         "proxy_headers": False,  # kvgate reads no client address
     }
 
@@ -61,18 +72,9 @@ def _loaded(path: Path) -> tuple[Config, dict[str, RoutingPolicy]] | None:
         return None
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-    )
-    # httpx logs every upstream request at INFO: the access log already covers them.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-
-
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from kvgate.app import CONFIG_ENV, GatewayApp
+    from kvgate.hot_reload import CONFIG_ENV, ReloadableGateway
+    from kvgate.observability.metrics import MULTIPROCESS_DIR
 
     loaded = _loaded(args.config)
     if loaded is None:
@@ -80,7 +82,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     config, _ = loaded
     host = args.host or config.server.host
     port = args.port if args.port is not None else config.server.port
-    _setup_logging(args.log_level)
+    logging.config.dictConfig(logging_config(args.log_level, args.log_format))
+    options = _uvicorn_options(
+        host,
+        port,
+        args.log_level,
+        args.log_format,
+        keepalive=config.server.keepalive_timeout,
+        drain_seconds=config.server.drain_seconds,
+    )
     if args.workers > 1:
         if config.server.admin_port is not None:
             print(
@@ -101,34 +111,38 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             )
             return 1
         os.environ[CONFIG_ENV] = str(Path(args.config).resolve())
-        uvicorn.run(
-            "kvgate.app:app_from_env",
-            factory=True,
-            workers=args.workers,
-            **_uvicorn_options(host, port, args.log_level, config.server.keepalive_timeout),
-        )
+        # The workers keep their metric values in files here and every scrape sums them; a
+        # fresh directory per run, so a restarted gateway starts its counters from zero.
+        with tempfile.TemporaryDirectory(prefix="kvgate-metrics-") as metrics_dir:
+            os.environ[MULTIPROCESS_DIR] = metrics_dir
+            uvicorn.run(
+                "kvgate.hot_reload:app_from_env", factory=True, workers=args.workers, **options
+            )
         return 0
-    app = GatewayApp(config)
+    app = ReloadableGateway(args.config)
     use_header_timeout(config.server.header_timeout)
-    options = _uvicorn_options(host, port, args.log_level, config.server.keepalive_timeout)
     public = uvicorn.Server(uvicorn.Config(app, **options))
     if config.server.admin_port is None:
         public.run()
         return 0
     admin_port = config.server.admin_port
-    admin = uvicorn.Server(admin_listener_config(app, host, admin_port, args.log_level))
+    admin = uvicorn.Server(
+        admin_listener_config(app, host, admin_port, args.log_level, args.log_format)
+    )
     with asyncio.Runner(loop_factory=public.config.get_loop_factory()) as runner:
         runner.run(serve_with_admin(public, admin))
     return 0
 
 
-def admin_listener_config(app: GatewayApp, host: str, port: int, log_level: str) -> uvicorn.Config:
-    """The admin port's server: `AdminListener` over the gateway's admin routes and metrics,
-    no lifespan (the public server runs the gateway's)."""
+def admin_listener_config(
+    app: ReloadableGateway, host: str, port: int, log_level: str, log_format: str
+) -> uvicorn.Config:
+    """The admin port's server: `AdminListener` over the gateway's admin routes (reload
+    included) and metrics, no lifespan (the public server runs the gateway's)."""
     from kvgate.admin_listener import AdminListener
 
-    options = {**_uvicorn_options(host, port, log_level), "lifespan": "off"}
-    return uvicorn.Config(AdminListener(app.admin, app.metrics.render), **options)
+    options = {**_uvicorn_options(host, port, log_level, log_format), "lifespan": "off"}
+    return uvicorn.Config(AdminListener(app.admin_routes, app.render_metrics), **options)
 
 
 async def serve_with_admin(public: uvicorn.Server, admin: uvicorn.Server) -> None:
@@ -208,7 +222,7 @@ kvgate demo: gateway on {base} over {n} simulated vLLM engines (in-memory state)
 Press Ctrl+C to stop."""
 
 
-async def _run_demo(host: str, port: int, log_level: str) -> None:
+async def _run_demo(host: str, port: int, log_level: str, log_format: str) -> None:
     from kvgate.app import GatewayApp
     from kvgate.sim import EngineOptions, SimFleet
 
@@ -227,7 +241,8 @@ async def _run_demo(host: str, port: int, log_level: str) -> None:
     async with SimFleet(engines=DEMO_ENGINES, base_port=0, options=options) as fleet:
         config = demo_config(list(fleet.urls), bound)
         app = GatewayApp(config)
-        server = uvicorn.Server(uvicorn.Config(app, **_uvicorn_options(host, bound, log_level)))
+        server_options = _uvicorn_options(host, bound, log_level, log_format)
+        server = uvicorn.Server(uvicorn.Config(app, **server_options))
         shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         print(
             _SNIPPET.format(base=f"http://{shown}:{bound}/v1", n=DEMO_ENGINES, model=DEMO_MODEL),
@@ -237,9 +252,9 @@ async def _run_demo(host: str, port: int, log_level: str) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    _setup_logging(args.log_level)
+    logging.config.dictConfig(logging_config(args.log_level, args.log_format))
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_run_demo(args.host, args.port, args.log_level))
+        asyncio.run(_run_demo(args.host, args.port, args.log_level, args.log_format))
     return 0
 
 
@@ -289,7 +304,7 @@ def _log_level(value: str) -> str:
     return level
 
 
-def _add_log_level(parser: argparse.ArgumentParser) -> None:
+def _add_log_options(parser: argparse.ArgumentParser, log_format: str) -> None:
     # A `type`, not `choices`: argparse checks a default taken from the environment only
     # through its type.
     parser.add_argument(
@@ -298,6 +313,12 @@ def _add_log_level(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("KVGATE_LOG_LEVEL") or "info",
         metavar="{" + ",".join(LOG_LEVELS) + "}",
         help="log level (default: $KVGATE_LOG_LEVEL, else info)",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default=log_format,
+        help=f"one JSON object per line, or plain text (default: {log_format})",
     )
 
 
@@ -340,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="worker processes, each a full replica (needs state.backend redis)",
     )
-    _add_log_level(serve)
+    _add_log_options(serve, "json")
     serve.set_defaults(func=_cmd_serve)
 
     demo = commands.add_parser(
@@ -360,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("KVGATE_PORT") or "8080",
         help="listen port (default: $KVGATE_PORT, else 8080)",
     )
-    _add_log_level(demo)
+    _add_log_options(demo, "text")
     demo.set_defaults(func=_cmd_demo)
 
     keys = commands.add_parser("keys", help="manage API keys")

@@ -60,6 +60,8 @@ class ServerConfig(_Strict):
     admin_port: int | None = Field(None, ge=0, le=65535)
     # GET /v1/models[/{id}] need a valid key (and list only the models the key may use).
     models_require_key: bool = False
+    # SIGTERM: seconds requests in flight (long streams) may take to finish before they are cut.
+    drain_seconds: float = Field(30.0, ge=0)
 
 
 class TierTimeouts(_Strict):

@@ -14,14 +14,15 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from kvgate.config import load_config
+from kvgate.config import ServerConfig, load_config
 from kvgate.routing.policy_catalog import load_policies
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 COMPOSE = DEPLOY / "compose"
 KUBE = DEPLOY / "kubernetes"
-GRACEFUL_SHUTDOWN_SECONDS = 5  # uvicorn's timeout_graceful_shutdown in kvgate/cli.py
+# The drain kvgate gives requests in flight on SIGTERM (the config in deploy/ keeps the default).
+GRACEFUL_SHUTDOWN_SECONDS = ServerConfig().drain_seconds
 
 
 def _documents(path: Path) -> list[Any]:

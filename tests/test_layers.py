@@ -34,6 +34,7 @@ _MODULE_LAYERS = {
     "kvgate.routing.settings": "config",
     "kvgate.ingress": "ingress",
     "kvgate.app": "app",
+    "kvgate.hot_reload": "app",
     "kvgate.cli": "cli",
     "kvgate.http_server": "base",
 }

@@ -17,9 +17,8 @@ import pytest
 import uvicorn
 import yaml
 
-from kvgate.app import GatewayApp
 from kvgate.cli import admin_listener_config, main, serve_with_admin
-from kvgate.config import parse_config
+from kvgate.hot_reload import ReloadableGateway
 from tests.chain.helpers import chat, make_key, tenant
 from tests.conftest import gateway_config
 from tests.sdk_clients import sdk_client
@@ -32,12 +31,14 @@ class TwoListeners:
     """The gateway served as `kvgate serve` does with `server.admin_port`: the public and the
     admin server on one event loop (`serve_with_admin`), in a thread."""
 
-    def __init__(self, config: dict[str, Any]) -> None:
-        self.app = GatewayApp(parse_config(config))
+    def __init__(self, config: dict[str, Any], path: Path) -> None:
+        path.write_text(yaml.safe_dump(config))
+        self.app = ReloadableGateway(path)
         self.public = uvicorn.Server(
             uvicorn.Config(self.app, host="127.0.0.1", port=0, lifespan="on", log_level="warning")
         )
-        self.admin = uvicorn.Server(admin_listener_config(self.app, "127.0.0.1", 0, "warning"))
+        admin = admin_listener_config(self.app, "127.0.0.1", 0, "warning", "text")
+        self.admin = uvicorn.Server(admin)
         self._thread = threading.Thread(
             target=lambda: asyncio.run(serve_with_admin(self.public, self.admin)), daemon=True
         )
@@ -61,19 +62,19 @@ class TwoListeners:
 
 
 @pytest.fixture
-def listeners(upstream) -> Iterator[tuple[str, str]]:
+def listeners(upstream, tmp_path) -> Iterator[tuple[str, str]]:
     config = gateway_config(
         [upstream[1].url], pool={"models": ["m1"]}, server={"admin_port": 0}, auth="none"
     )
-    with TwoListeners(config) as urls:
+    with TwoListeners(config, tmp_path / "gateway.yaml") as urls:
         yield urls
 
 
 def test_admin_port_serves_metrics_and_admin_routes_and_the_public_port_does_not(listeners):
     public, admin = listeners
     assert chat(public, None).status_code == 200
-    for path in ("/metrics", "/admin/admission"):
-        hidden = httpx.get(public + path)
+    for path in ("/metrics", "/admin/admission", "/admin/reload"):
+        hidden = httpx.post(public + path)
         assert hidden.status_code == 404 and hidden.json()["error"]["code"] == "unknown_url"
     metrics = httpx.get(admin + "/metrics")
     assert metrics.status_code == 200
@@ -85,6 +86,9 @@ def test_admin_port_serves_metrics_and_admin_routes_and_the_public_port_does_not
     assert httpx.get(admin + "/v1/models").status_code == 404  # inference stays public
     assert httpx.post(admin + "/metrics").status_code == 405
     assert httpx.get(public + "/v1/models").status_code == 200
+    reloaded = httpx.post(admin + "/admin/reload", timeout=10)
+    assert (reloaded.status_code, reloaded.json()) == (200, {"status": "reloaded"})
+    assert chat(public, None).status_code == 200
 
 
 def test_without_admin_port_metrics_stay_on_the_public_port(gateway):

@@ -29,6 +29,7 @@ from kvgate.ingress import (
     read_body,
     request_context,
 )
+from kvgate.types import Headers
 
 _EXPLAIN = "/admin/explain"
 _MAX_EXPLAIN_BODY = 1024 * 1024
@@ -48,10 +49,14 @@ class AdminRoutes:
         self.classifier = classifier
         self.admission = admission
 
+    def authorize(self, headers: Headers) -> None:
+        """Raises (401/403) unless the headers carry an admin key or auth is open."""
+        if not self.directory.open:
+            self.authenticator.verify_admin(headers)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            if not self.directory.open:
-                self.authenticator.verify_admin(scope["headers"])
+            self.authorize(scope["headers"])
             path, method = scope["path"], scope["method"]
             if path == "/admin/admission":
                 if method != "GET":

@@ -1,4 +1,7 @@
-"""One structured line per request: ids, route, model, endpoint, status, timings.
+"""One structured line per request: ids, route, model, endpoint, status, timings, tokens.
+
+The message is the record as JSON (the text format prints it); the JSON format puts the
+record's fields at the top level of the line (`kvgate.observability.log_format`).
 
 Never prompts, bodies or credentials: only what is needed to trace and account a request.
 """
@@ -11,6 +14,7 @@ import time
 import orjson
 
 from kvgate.errors import KvgateError
+from kvgate.observability.log_format import FIELDS
 from kvgate.types import RequestContext
 
 log = logging.getLogger("kvgate.access")
@@ -42,21 +46,22 @@ class AccessLog:
             record["resumes"] = ctx.resumes
             record["resume_overhead_tokens"] = ctx.resume_overhead_tokens
         if ctx.usage is not None:
-            record["usage"] = {
+            usage = {
                 k: v for k, v in ctx.usage.items() if k in ("prompt_tokens", "completion_tokens")
             }
-        log.info(orjson.dumps(record).decode())
+            details = ctx.usage.get("prompt_tokens_details")
+            if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                usage["cached_tokens"] = details["cached_tokens"]
+            record["usage"] = usage
+        log.info(orjson.dumps(record).decode(), extra={FIELDS: record})
 
     def rejected(self, request_id: str, route: str, error: KvgateError) -> None:
         if not self.enabled or not log.isEnabledFor(logging.INFO):
             return
-        log.info(
-            orjson.dumps(
-                {
-                    "request_id": request_id,
-                    "route": route,
-                    "status": error.status,
-                    "outcome": error.code,
-                }
-            ).decode()
-        )
+        record = {
+            "request_id": request_id,
+            "route": route,
+            "status": error.status,
+            "outcome": error.code,
+        }
+        log.info(orjson.dumps(record).decode(), extra={FIELDS: record})

@@ -1,24 +1,52 @@
-"""Prometheus metrics of one gateway process, in a registry of its own."""
+"""Prometheus metrics of one gateway process: its instruments, and the views read at scrape
+time (docs/observability.md)."""
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
+from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 
+from kvgate.observability.resilience import ResilienceMetrics
 from kvgate.routing.endpoints import Fleet
 from kvgate.types import RequestContext
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# Set by `kvgate serve --workers N` before the workers start; prometheus-client reads it when
+# first imported and then keeps every instrument's values in files there, one per process.
+MULTIPROCESS_DIR = "PROMETHEUS_MULTIPROC_DIR"
+# 5 ms to 5 min, with edges at 0.5, 1, 2 and 5 s (a 2 s TTFT objective reads off one bucket).
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
+# The token counts of an answer's `usage`, by the name of their counter.
+_TOKENS = (
+    ("kvgate_prompt_tokens", "Prompt tokens the engines reported (usage.prompt_tokens)."),
+    ("kvgate_completion_tokens", "Tokens the engines generated (usage.completion_tokens)."),
+    (
+        "kvgate_cached_prompt_tokens",
+        "Prompt tokens served from the engines' prefix cache "
+        "(usage.prompt_tokens_details.cached_tokens).",
+    ),
+)
 
 
 class GatewayMetrics:
-    """Request counts and latencies by route, model and outcome. Model labels only ever carry
-    names the fleet serves, so clients cannot grow the label set."""
+    """Every instrument of one gateway process: request counts and latencies by route, model
+    and outcome, and the admission and resilience observers. Model labels only ever carry names
+    the fleet serves, so clients cannot grow the label set.
 
-    def __init__(self, fleet: Fleet) -> None:
-        self.fleet = fleet
+    One instance outlives config reloads (the apps built from successive configs share it), so
+    counters never reset on reload. With $PROMETHEUS_MULTIPROC_DIR set, `render` reports the
+    sum over every worker process of the instruments; the scrape-time views (routing, state,
+    breakers) are the answering process's own and carry its `pid` label."""
+
+    def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self.multiprocess = bool(os.environ.get(MULTIPROCESS_DIR))
         self.requests = Counter(
             "kvgate_requests",
             "Requests answered, by route, model, HTTP status and outcome.",
@@ -45,18 +73,12 @@ class GatewayMetrics:
             ["endpoint", "outcome"],
             registry=self.registry,
         )
-        self.inflight = Gauge(
-            "kvgate_endpoint_inflight_requests",
-            "Requests in flight to each endpoint.",
-            ["endpoint"],
-            registry=self.registry,
+        self.tokens = tuple(
+            Counter(name, help_text, ["tenant", "model", "pool"], registry=self.registry)
+            for name, help_text in _TOKENS
         )
-        self.healthy = Gauge(
-            "kvgate_endpoint_healthy",
-            "1 when the endpoint passes its health check.",
-            ["endpoint"],
-            registry=self.registry,
-        )
+        self.admission = AdmissionMetrics(self.registry)
+        self.resilience = ResilienceMetrics(self.registry)
         # Labelled children of the per-request metrics, by label values: `.labels()` validates
         # and joins its arguments on every call, a dict lookup does not. Bounded like the label
         # sets themselves (config names, fixed words, kvgate's own codes).
@@ -64,10 +86,11 @@ class GatewayMetrics:
         self._duration: dict[tuple[str, bool], Histogram] = {}
         self._ttft: dict[str, Histogram] = {}
         self._endpoint_requests: dict[tuple[str, str], Counter] = {}
+        self._tokens: dict[tuple[str, str, str], tuple[Counter, ...]] = {}
 
-    def observe(self, ctx: RequestContext) -> None:
+    def observe(self, ctx: RequestContext, fleet: Fleet) -> None:
         now = time.perf_counter()
-        model = ctx.model if self.fleet.serves(ctx.model) else "_unknown"
+        model = ctx.model if fleet.serves(ctx.model) else "_unknown"
         request_key = (ctx.route, model, ctx.status, ctx.outcome)
         requests = self._requests.get(request_key)
         if requests is None:
@@ -94,15 +117,65 @@ class GatewayMetrics:
                     *endpoint_key
                 )
             endpoint.inc()
+            if ctx.usage is not None:
+                self._count_tokens(ctx, model, ctx.endpoint.pool, ctx.usage)
+
+    def _count_tokens(
+        self, ctx: RequestContext, model: str, pool: str, usage: dict[str, object]
+    ) -> None:
+        # Tenant names come from the config (or "anonymous"), so the label set stays bounded.
+        key = (ctx.tenant.name if ctx.tenant is not None else "_unknown", model, pool)
+        counters = self._tokens.get(key)
+        if counters is None:
+            counters = self._tokens[key] = tuple(c.labels(*key) for c in self.tokens)
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        for counter, value in zip(
+            counters,
+            (usage.get("prompt_tokens"), usage.get("completion_tokens"), cached),
+            strict=True,
+        ):
+            if isinstance(value, int) and value > 0:
+                counter.inc(value)
 
     def observe_rejected(self, route: str, status: int, outcome: str) -> None:
         self.requests.labels(route, "_unknown", str(status), outcome).inc()
 
-    def render(self) -> bytes:
-        for endpoint in self.fleet.endpoints:
-            self.inflight.labels(endpoint.name).set(endpoint.inflight)
-            self.healthy.labels(endpoint.name).set(1 if endpoint.healthy else 0)
-        return generate_latest(self.registry)
+    def render(self, views: Iterable[Collector]) -> bytes:
+        """The exposition text: the instruments (every worker's, summed, in multiprocess mode)
+        followed by `views`, collected now in this process."""
+        scrape_views = _Views(views, str(os.getpid()) if self.multiprocess else None)
+        if not self.multiprocess:
+            return generate_latest(self.registry) + generate_latest(scrape_views)
+        instruments = CollectorRegistry()
+        MultiProcessCollector(instruments)
+        return generate_latest(instruments) + generate_latest(scrape_views)
+
+    def process_exited(self) -> None:
+        """Called once as the process stops serving: its live gauges leave the sums."""
+        if self.multiprocess:
+            mark_process_dead(os.getpid())
+
+
+class _Views:
+    """Scrape-time collectors as one `collect()`; with a pid, every sample carries it, so a
+    series always holds one process's values (no false counter resets when successive scrapes
+    are answered by different workers)."""
+
+    def __init__(self, views: Iterable[Collector], pid: str | None) -> None:
+        self.views = views
+        self.pid = pid
+
+    def collect(self) -> Iterator[Metric]:
+        for view in self.views:
+            for family in view.collect():
+                if self.pid is not None:
+                    family.samples = [_with_pid(s, self.pid) for s in family.samples]
+                yield family
+
+
+def _with_pid(sample: Sample, pid: str) -> Sample:
+    return sample._replace(labels={**sample.labels, "pid": pid})
 
 
 class AdmissionMetrics:
@@ -115,6 +188,7 @@ class AdmissionMetrics:
             "Requests waiting for capacity, by latency class.",
             ["class"],
             registry=registry,
+            multiprocess_mode="livesum",  # the queues of every live worker, added
         )
         self.queue_wait = Histogram(
             "kvgate_admission_wait_seconds",

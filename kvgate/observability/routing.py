@@ -53,6 +53,16 @@ class RoutingCollector(Collector):
             "1 when the endpoint's queue or KV use is above limits.",
             labels=["endpoint"],
         )
+        inflight = GaugeMetricFamily(
+            "kvgate_endpoint_inflight_requests",
+            "Requests this process has in flight to each endpoint.",
+            labels=["endpoint"],
+        )
+        healthy = GaugeMetricFamily(
+            "kvgate_endpoint_healthy",
+            "1 when the endpoint passes its health check.",
+            labels=["endpoint"],
+        )
         for endpoint in self.fleet.endpoints:
             name = endpoint.name
             entries.add_metric([name], index.entries(name))
@@ -62,7 +72,10 @@ class RoutingCollector(Collector):
             decoding.add_metric([name], endpoint.decoding)
             stale.add_metric([name], 1 if endpoint.stale else 0)
             saturated.add_metric([name], 1 if endpoint.saturated else 0)
+            inflight.add_metric([name], endpoint.inflight)
+            healthy.add_metric([name], 1 if endpoint.healthy else 0)
         yield from (entries, capacity, evictions, prefill, decoding, stale, saturated)
+        yield from (inflight, healthy)
         predicted = CounterMetricFamily(
             "kvgate_prefix_predicted_tokens",
             "Prompt tokens the prefix index predicted the chosen endpoint held, over answers "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import re
 import subprocess
 import sys
 import time
@@ -274,7 +275,9 @@ def test_workers_are_full_replicas_sharing_redis(tmp_path, redis):
                 )
                 assert reply.choices[0].message.content
             deadline = time.monotonic() + 15
-            while "kvgate_state_replicas 2.0" not in httpx.get(base + "/metrics").text:
+            # Under --workers the scrape-time views carry the answering worker's pid label.
+            seen = re.compile(r'^kvgate_state_replicas\{pid="\d+"\} 2\.0$', re.MULTILINE)
+            while not seen.search(httpx.get(base + "/metrics").text):
                 assert time.monotonic() < deadline, "the two workers never saw each other"
                 time.sleep(0.1)
         finally:

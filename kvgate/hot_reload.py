@@ -1,0 +1,234 @@
+"""`kvgate serve`'s ASGI application: the gateway built from a config file, rebuilt in place on
+SIGHUP or `POST /admin/reload`, and marked as draining on SIGTERM (docs/observability.md).
+
+A reload builds and starts a new `GatewayApp` from the file and swaps it in for new requests in
+one assignment; requests already inside the old app finish there, and the old app is shut down
+when the last of them ends. A file that does not load is refused with `kvgate check-config`'s
+messages and the running app keeps serving. The process's metric instruments carry over, so
+counters never reset on reload; routing and resilience state (prefix index, breakers) start
+afresh in the new app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import gc
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import orjson
+from uvicorn.config import STARTUP_FAILURE
+
+from kvgate.app import GatewayApp
+from kvgate.asgi import JSON, Receive, Scope, Send, send_bytes, send_error
+from kvgate.config import ConfigError, load_config
+from kvgate.errors import KvgateError, MethodNotAllowed
+from kvgate.http_server import use_header_timeout
+from kvgate.routing.policy_catalog import load_policies
+
+log = logging.getLogger("kvgate")
+
+CONFIG_ENV = "KVGATE_CONFIG"
+RELOAD_ROUTE = "/admin/reload"
+
+
+class ReloadableGateway:
+    """Serves the `GatewayApp` built from the config file at `path`.
+
+    `supervised` is for a worker of `kvgate serve --workers N`: there `POST /admin/reload`
+    checks the file and asks the supervising process (SIGHUP to the parent) to replace every
+    worker in turn, since one worker cannot reload its siblings."""
+
+    def __init__(self, path: Path, supervised: bool = False) -> None:
+        self.path = path
+        self.supervised = supervised
+        self.current = GatewayApp(load_config(path))
+        self._inflight: dict[GatewayApp, int] = {}
+        self._retired: set[GatewayApp] = set()
+        self._tasks: set[asyncio.Task[object]] = set()
+        self._reload_lock = asyncio.Lock()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            if scope["path"] == RELOAD_ROUTE and self.current.admin_on_public_port:
+                await self._admin_reload(scope, send)
+                return
+            app = self.current
+            self._inflight[app] = self._inflight.get(app, 0) + 1
+            try:
+                await app(scope, receive, send)
+            finally:
+                self._left(app)
+        elif scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+
+    async def admin_routes(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """`/admin/*` for the admin listener (`server.admin_port`): reload, and the serving
+        app's admin routes."""
+        if scope["path"] == RELOAD_ROUTE:
+            await self._admin_reload(scope, send)
+        else:
+            await self.current.admin(scope, receive, send)
+
+    def render_metrics(self) -> bytes:
+        """`/metrics` for the admin listener: the serving app's."""
+        return self.current.metrics.render(self.current.views)
+
+    async def reload(self) -> list[str]:
+        """Re-read the config file and every policy file: [] once the new app serves new
+        requests, else the problems found (the running app keeps serving)."""
+        async with self._reload_lock:
+            try:
+                app = GatewayApp(load_config(self.path), self.current.metrics)
+            except ConfigError as exc:
+                problems = [f"{exc.source}: {problem}" for problem in exc.problems]
+                log.error("config reload refused, the running config keeps serving: %s", problems)
+                return problems
+            try:
+                await app.startup()
+            except BaseException:
+                await app.shutdown()
+                raise
+            app.draining = self.current.draining
+            old, self.current = self.current, app
+            log.info("config reloaded from %s", self.path)
+            if not self._inflight.get(old):
+                self._retire(old)
+            else:
+                self._retired.add(old)
+            return []
+
+    def _left(self, app: GatewayApp) -> None:
+        remaining = self._inflight[app] - 1
+        if remaining:
+            self._inflight[app] = remaining
+            return
+        del self._inflight[app]
+        if app in self._retired:
+            self._retired.discard(app)
+            self._retire(app)
+
+    def _retire(self, app: GatewayApp) -> None:
+        self._spawn(self._shut_down(app))
+
+    async def _shut_down(self, app: GatewayApp) -> None:
+        await app.shutdown()
+        # The old app's shutdown unfroze the heap: freeze what the serving app holds again.
+        gc.collect()
+        gc.freeze()
+
+    def _spawn(self, work: Coroutine[Any, Any, object]) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[object]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("config reload failed", exc_info=task.exception())
+
+    async def _admin_reload(self, scope: Scope, send: Send) -> None:
+        try:
+            self.current.admin.authorize(scope["headers"])
+            if scope["method"] != "POST":
+                raise MethodNotAllowed(
+                    f"{scope['method']} is not allowed on {RELOAD_ROUTE}; use POST",
+                    code="method_not_allowed",
+                )
+        except KvgateError as error:
+            await send_error(send, error)
+            return
+        problems = self._check() if self.supervised else await self.reload()
+        if problems:
+            refused = {
+                "message": "The config file was refused; the running config keeps serving.",
+                "type": "invalid_request_error",
+                "code": "invalid_config",
+                "problems": problems,
+            }
+            await send_bytes(send, 400, orjson.dumps({"error": refused}), JSON)
+            return
+        if self.supervised:
+            # uvicorn's supervisor replaces each worker in turn on SIGHUP (docs).
+            os.kill(os.getppid(), signal.SIGHUP)
+            await send_bytes(send, 202, b'{"status":"restarting_workers"}', JSON)
+        else:
+            await send_bytes(send, 200, b'{"status":"reloaded"}', JSON)
+
+    def _check(self) -> list[str]:
+        try:
+            load_policies(load_config(self.path))
+        except ConfigError as exc:
+            return [f"{exc.source}: {problem}" for problem in exc.problems]
+        return []
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await self.current.startup()
+                self._install_signal_handlers()
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                # Apps still retiring: uvicorn has waited for (or cancelled) their requests.
+                retired, self._retired = self._retired, set()
+                await asyncio.gather(*self._tasks, return_exceptions=True)
+                for app in (*retired, self.current):
+                    await app.shutdown()
+                self.current.metrics.process_exited()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    def _install_signal_handlers(self) -> None:
+        """SIGHUP reloads; SIGTERM and SIGINT first mark the app as draining (/readyz 503),
+        then reach the server's own handler, which stops accepting and waits for requests up
+        to `server.drain_seconds`. Signals reach the main thread only."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        loop = asyncio.get_running_loop()
+
+        def on_hup(signum: int, frame: FrameType | None) -> None:
+            loop.call_soon_threadsafe(self._spawn, self.reload())
+
+        signal.signal(signal.SIGHUP, on_hup)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            server_handler = signal.getsignal(signum)
+            if callable(server_handler):
+                signal.signal(signum, functools.partial(self._drain, server_handler))
+
+    def _drain(
+        self,
+        server_handler: Callable[[int, FrameType | None], object],
+        signum: int,
+        frame: FrameType | None,
+    ) -> None:
+        self.begin_drain()
+        server_handler(signum, frame)
+
+    def begin_drain(self) -> None:
+        """From now on /readyz answers 503: the process is going away."""
+        if not self.current.draining:
+            self.current.draining = True
+            log.info("draining: /readyz answers 503; requests in flight may finish")
+
+
+def app_from_env() -> ReloadableGateway:
+    """Factory for `kvgate serve --workers N`: each worker process loads the config file named
+    by $KVGATE_CONFIG and is a full replica with its own local state. A worker whose config
+    does not load logs the problems and exits before serving, which makes uvicorn's supervisor
+    keep the workers it has (a reload) or stop (at start)."""
+    try:
+        gateway = ReloadableGateway(Path(os.environ[CONFIG_ENV]), supervised=True)
+    except ConfigError as exc:
+        for problem in exc.problems:
+            log.error("config refused, this worker does not start: %s: %s", exc.source, problem)
+        raise SystemExit(STARTUP_FAILURE) from None
+    use_header_timeout(gateway.current.config.server.header_timeout)
+    return gateway

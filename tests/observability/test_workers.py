@@ -1,0 +1,191 @@
+"""`kvgate serve --workers N`: one scrape shows the whole process, and every worker logs JSON."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvgate.sim import EngineOptions, SimFleet
+from tests.observability.serving import (
+    ADMIN_KEY,
+    KEY,
+    SECRET,
+    Serve,
+    free_port,
+    write_config,
+)
+from tests.redis_server import RedisServer
+
+pytestmark = pytest.mark.timeout(120)
+
+ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
+PROMPT = "tell me the confidential plan for project kestrel"
+
+
+@pytest.fixture
+def redis() -> Iterator[RedisServer]:
+    server = RedisServer().start()
+    yield server
+    server.stop()
+
+
+def _send(base: str, count: int, stream: bool) -> list[httpx.Response]:
+    """`count` requests, six at a time, each on a connection of its own (so the kernel spreads
+    them over the workers)."""
+
+    def one(i: int) -> httpx.Response:
+        body = {
+            "model": "sim-model",
+            "max_tokens": 4,
+            "stream": stream,
+            "messages": [{"role": "user", "content": f"{PROMPT} {i}"}],
+        }
+        headers = {"authorization": f"Bearer {KEY}"}
+        with httpx.Client(timeout=30) as client:
+            response = client.post(base + "/v1/chat/completions", json=body, headers=headers)
+            response.read()
+            return response
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        return list(pool.map(one, range(count)))
+
+
+def _send_until_spread(gateway: Serve, workers: int, stream: bool) -> list[httpx.Response]:
+    """Rounds of six requests until `workers` processes have answered some (which worker
+    accepts a connection is the kernel's choice; a round may all land on one)."""
+    answers: list[httpx.Response] = []
+    for _ in range(40):
+        answers += _send(gateway.base, 6, stream)
+        if len({line["pid"] for line in _access(gateway)}) >= workers:
+            return answers
+        time.sleep(0.05)
+    raise AssertionError(f"{len(answers)} requests never reached {workers} workers")
+
+
+def _access(gateway: Serve) -> list[dict[str, Any]]:
+    return [line for line in gateway.lines() if line["logger"] == "kvgate.access"]
+
+
+def _wait_settled(gateway: Serve, requests: int) -> None:
+    """Until every request has been settled (counted, then logged): a client may read the end
+    of its answer just before the gateway settles the request."""
+    deadline = time.monotonic() + 10
+    while len(_access(gateway)) < requests:
+        assert time.monotonic() < deadline, f"{len(_access(gateway))} of {requests} logged"
+        time.sleep(0.05)
+
+
+def _requests_total(text: str) -> tuple[float, set[str]]:
+    """The sum of kvgate_requests_total over its labels, and the pids on the per-process views."""
+    total, pids = 0.0, set()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "kvgate_requests_total":
+                total += sample.value
+            if sample.name == "kvgate_endpoint_healthy":
+                pids.add(sample.labels["pid"])
+    return total, pids
+
+
+def test_every_scrape_of_three_workers_reads_the_exact_request_total(tmp_path, redis):
+    with SimFleet.in_thread(engines=2, options=EngineOptions(profile="fast")) as fleet:
+        port = free_port()
+        config = write_config(tmp_path / "gw.yaml", fleet.urls, port, redis_url=redis.url)
+        temp = tmp_path / "tmp"
+        temp.mkdir()
+        with Serve(config, port, 3, env={"TMPDIR": str(temp)}) as gateway:
+            answers = _send_until_spread(gateway, 3, stream=False)
+            requests = len(answers)
+            assert [r.status_code for r in answers] == [200] * requests
+            _wait_settled(gateway, requests)
+            for _ in range(8):
+                with httpx.Client(timeout=10) as client:
+                    total, pids = _requests_total(client.get(gateway.base + "/metrics").text)
+                assert total == requests
+                assert len(pids) == 1  # the views are the answering worker's own
+            (metrics_dir,) = temp.glob("kvgate-metrics-*")
+            assert any(metrics_dir.glob("counter_*.db"))
+        assert not any(temp.iterdir()), "kvgate serve left its metrics directory behind"
+
+
+def test_every_worker_writes_one_json_access_line_per_request(tmp_path, redis):
+    with SimFleet.in_thread(engines=2, options=EngineOptions(profile="fast")) as fleet:
+        port = free_port()
+        config = write_config(tmp_path / "gw.yaml", fleet.urls, port, redis_url=redis.url)
+        with Serve(config, port, 2) as gateway:
+            answers = _send_until_spread(gateway, 2, stream=True)
+            requests = len(answers)
+            assert [r.status_code for r in answers] == [200] * requests
+            _wait_settled(gateway, requests)
+            text = gateway.stderr()
+            lines = gateway.lines()  # every line is JSON
+    for line in lines:
+        assert {"ts", "level", "logger", "pid"} <= line.keys()
+    access = [line for line in lines if line["logger"] == "kvgate.access"]
+    assert len(access) == requests
+    assert {line["request_id"] for line in access} == {r.headers["x-request-id"] for r in answers}
+    for line in access:
+        assert (line["tenant"], line["key_id"], line["model"]) == ("ops", "ops-1", "sim-model")
+        assert line["status"] == 200 and line["level"] == "INFO"
+        assert line["ttft_ms"] > 0 and line["duration_ms"] >= line["ttft_ms"]
+        assert line["usage"]["prompt_tokens"] > 0 and line["usage"]["completion_tokens"] > 0
+    assert PROMPT not in text and "kestrel" not in text and SECRET not in text
+
+
+def _messages(gateway: Serve) -> list[str]:
+    return [line["message"] for line in gateway.lines() if "message" in line]
+
+
+def _models_seen(base: str, scrapes: int) -> set[tuple[str, ...]]:
+    """The model lists of `scrapes` answers, each on a connection of its own."""
+    seen = set()
+    for _ in range(scrapes):
+        with httpx.Client(timeout=5) as client:
+            data = client.get(base + "/v1/models").json()["data"]
+        seen.add(tuple(m["id"] for m in data))
+    return seen
+
+
+def _models_seen_while_restarting(base: str) -> set[tuple[str, ...]]:
+    """As `_models_seen`; a retiring worker closes the connections it accepted but has not
+    read a request from yet (uvicorn's shutdown), which a client sees as a reset: try again."""
+    try:
+        return _models_seen(base, 6)
+    except httpx.TransportError:
+        return set()
+
+
+def test_workers_are_replaced_on_reload_and_a_broken_config_keeps_the_old_ones(tmp_path, redis):
+    fast = EngineOptions(profile="fast")
+    with (
+        SimFleet.in_thread(engines=1, options=fast) as fleet,
+        SimFleet.in_thread(engines=1, options=EngineOptions(models=["sim-new"])) as newcomer,
+    ):
+        port = free_port()
+        config = write_config(tmp_path / "gw.yaml", fleet.urls, port, redis_url=redis.url)
+        with Serve(config, port, 2) as gateway:
+            good = config.read_text()
+            config.write_text(good.replace("engine: vllm", "engine: tgi"))
+            gateway.signal(signal.SIGHUP)
+            deadline = time.monotonic() + 30
+            while not any("aborting the restart" in m for m in _messages(gateway)):
+                assert time.monotonic() < deadline, "the supervisor never refused the config"
+                time.sleep(0.1)
+            assert _models_seen(gateway.base, 6) == {("sim-model",)}
+            refused = httpx.post(gateway.base + "/admin/reload", headers=ADMIN, timeout=10)
+            assert refused.status_code == 400 and "tgi" in refused.text
+            write_config(config, fleet.urls, port, redis_url=redis.url, extra_pool=newcomer.urls)
+            answer = httpx.post(gateway.base + "/admin/reload", headers=ADMIN, timeout=10)
+            assert (answer.status_code, answer.json()) == (202, {"status": "restarting_workers"})
+            deadline = time.monotonic() + 40
+            while _models_seen_while_restarting(gateway.base) != {("sim-model", "sim-new")}:
+                assert time.monotonic() < deadline, "some worker never served the new config"
+                time.sleep(0.2)
+            assert gateway.proc.poll() is None
