@@ -6,57 +6,25 @@ import argparse
 import asyncio
 import contextlib
 import logging.config
-import math
 import os
-import socket
 import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import uvicorn
 
 from kvgate import __version__
-from kvgate.config import Config, ConfigError, load_config, parse_config
-from kvgate.http_server import HeaderDeadlineProtocol, use_header_timeout
+from kvgate.config import Config, ConfigError, load_config
+from kvgate.demo import run_demo
+from kvgate.http_server import use_header_timeout
 from kvgate.observability.log_format import LOG_FORMATS, logging_config
 from kvgate.routing.policy import RoutingPolicy
 from kvgate.routing.policy_catalog import BUILTIN, load_policies, shipped_names, shipped_text
+from kvgate.serving import uvicorn_options
 
 if TYPE_CHECKING:
     from kvgate.hot_reload import ReloadableGateway
-
-DEMO_MODEL = "sim-model"
-DEMO_ENGINES = 2
-
-
-def _uvicorn_options(
-    host: str,
-    port: int,
-    log_level: str,
-    log_format: str,
-    keepalive: float = 5.0,
-    drain_seconds: float = 5,
-) -> dict[str, Any]:
-    """The server options of every way kvgate runs uvicorn (one process or several);
-    `keepalive`: seconds before an idle keep-alive connection is closed. Requests' headers
-    have a deadline too (`kvgate/http_server.py`, `use_header_timeout`)."""
-    return {
-        "timeout_keep_alive": keepalive,
-        "http": HeaderDeadlineProtocol,
-        "host": host,
-        "port": port,
-        "loop": "uvloop",
-        "lifespan": "on",
-        "access_log": False,
-        "log_level": log_level,
-        # Every process uvicorn starts logs like this one (workers included).
-        "log_config": logging_config(log_level, log_format),
-        "server_header": False,
-        # uvicorn takes whole seconds; round up so a grace is never shortened.
-        "timeout_graceful_shutdown": math.ceil(drain_seconds),
-        "proxy_headers": False,  # kvgate reads no client address
-    }
 
 
 def _loaded(path: Path) -> tuple[Config, dict[str, RoutingPolicy]] | None:
@@ -83,7 +51,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     host = args.host or config.server.host
     port = args.port if args.port is not None else config.server.port
     logging.config.dictConfig(logging_config(args.log_level, args.log_format))
-    options = _uvicorn_options(
+    options = uvicorn_options(
         host,
         port,
         args.log_level,
@@ -141,7 +109,7 @@ def admin_listener_config(
     included) and metrics, no lifespan (the public server runs the gateway's)."""
     from kvgate.admin_listener import AdminListener
 
-    options = {**_uvicorn_options(host, port, log_level, log_format), "lifespan": "off"}
+    options = {**uvicorn_options(host, port, log_level, log_format), "lifespan": "off"}
     return uvicorn.Config(AdminListener(app.admin_routes, app.render_metrics), **options)
 
 
@@ -185,76 +153,10 @@ def _cmd_keys_new(args: argparse.Namespace) -> int:
     return 0
 
 
-def demo_config(urls: list[str], port: int) -> Config:
-    """The embedded demo: one vLLM-flavoured pool over the simulated engines, memory state."""
-    return parse_config(
-        {
-            "server": {"host": "127.0.0.1", "port": port},
-            "pools": [
-                {
-                    "name": "demo",
-                    "engine": "vllm",
-                    "models": [DEMO_MODEL],
-                    "endpoints": [{"url": u} for u in urls],
-                }
-            ],
-            "state": {"backend": "memory"},
-            "auth": "none",
-        },
-        source="<demo>",
-    )
-
-
-_SNIPPET = """\
-kvgate demo: gateway on {base} over {n} simulated vLLM engines (in-memory state)
-
-    from openai import OpenAI
-    client = OpenAI(base_url="{base}", api_key="unused")
-    stream = client.chat.completions.create(
-        model="{model}", stream=True,
-        messages=[{{"role": "user", "content": "Tell me about KV caches."}}])
-    for chunk in stream:
-        print(chunk.choices[0].delta.content or "", end="", flush=True)
-
-    curl {base}/chat/completions -H 'content-type: application/json' \\
-      -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "hi"}}]}}'
-
-Press Ctrl+C to stop."""
-
-
-async def _run_demo(host: str, port: int, log_level: str, log_format: str) -> None:
-    from kvgate.app import GatewayApp
-    from kvgate.sim import EngineOptions, SimFleet
-
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        listener.bind((host, port))
-    except OSError as exc:
-        listener.close()
-        raise SystemExit(
-            f"kvgate demo: cannot listen on {host}:{port}: {exc.strerror}; "
-            "choose another with --port"
-        ) from None
-    bound = listener.getsockname()[1]
-    options = EngineOptions(flavor="vllm", models=[DEMO_MODEL], profile="realistic")
-    async with SimFleet(engines=DEMO_ENGINES, base_port=0, options=options) as fleet:
-        config = demo_config(list(fleet.urls), bound)
-        app = GatewayApp(config)
-        server_options = _uvicorn_options(host, bound, log_level, log_format)
-        server = uvicorn.Server(uvicorn.Config(app, **server_options))
-        shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-        print(
-            _SNIPPET.format(base=f"http://{shown}:{bound}/v1", n=DEMO_ENGINES, model=DEMO_MODEL),
-            flush=True,
-        )
-        await server.serve(sockets=[listener])
-
-
 def _cmd_demo(args: argparse.Namespace) -> int:
     logging.config.dictConfig(logging_config(args.log_level, args.log_format))
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_run_demo(args.host, args.port, args.log_level, args.log_format))
+        asyncio.run(run_demo(args.host, args.port, args.log_level, args.log_format))
     return 0
 
 

@@ -36,6 +36,8 @@ _MODULE_LAYERS = {
     "kvgate.app": "app",
     "kvgate.hot_reload": "app",
     "kvgate.cli": "cli",
+    "kvgate.demo": "cli",
+    "kvgate.serving": "cli",
     "kvgate.http_server": "base",
 }
 _BELOW = {
