@@ -7,7 +7,9 @@ breaker, installed as `Endpoint.breaker` so that routing skips endpoints it does
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 
 from kvgate.config import Config, ResilienceConfig
 from kvgate.routing.endpoints import Endpoint, Fleet
@@ -68,7 +70,13 @@ class Resilience:
         if not throttle.admit():
             self.observer.throttled(endpoint.pool)
             return None
-        return AttemptRecord(endpoint.name, self.breakers[endpoint], throttle, self.observer)
+        return AttemptRecord(
+            endpoint.name,
+            self.breakers[endpoint],
+            throttle,
+            self.observer,
+            functools.partial(self.failure_is_local, endpoint),
+        )
 
 
 class AttemptRecord:
@@ -81,6 +89,7 @@ class AttemptRecord:
         "_counted",
         "_done",
         "breaker",
+        "local",
         "name",
         "observer",
         "throttle",
@@ -93,8 +102,10 @@ class AttemptRecord:
         breaker: EndpointBreaker,
         throttle: AdaptiveThrottle,
         observer: ResilienceObserver,
+        local: Callable[[], bool] = lambda: False,
     ) -> None:
         self.name = name
+        self.local = local  # whether a failure now is the endpoint's own (see Resilience)
         self.breaker = breaker
         self.throttle = throttle
         self.observer = observer
@@ -132,7 +143,12 @@ class AttemptRecord:
             self.breaker.release(self.token)
         if verdict.hold:
             self.breaker.hold(verdict.hold)
-        self._count(accepted=not verdict.overload)
+        if verdict.endpoint_failure and self.local():
+            # One dead engine is not the pool refusing work: the pool's throttle (which sheds
+            # load when the pool as a whole fails) does not count it.
+            self._counted = True
+        else:
+            self._count(accepted=not verdict.overload)
         result = (
             "failure"
             if verdict.endpoint_failure
