@@ -564,7 +564,7 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.quick:
         args.duration, args.search_duration, args.warmup = 2.0, 2.0, 0.5
-        args.search_rates = [r for r in args.search_rates if r >= 500][:3]
+        args.search_rates = [r for r in args.search_rates if r >= 300][:3]
         args.ceiling_rates = args.ceiling_rates[:2]
     return args
 
