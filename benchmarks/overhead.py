@@ -4,24 +4,25 @@
         [--rates 100,300] [--duration 10] [--chunks 8] [--output FILE]
 
 Starts benchmarks/fast_upstream.py, one kvgate worker (`python -m kvgate.cli serve`) and
-sglang-router (the `bench` extra; `sglang-router launch --policy round_robin`) as separate
-processes. LiteLLM's proxy is a column only when `litellm` is importable; otherwise the report
-says why it is missing. Each measurement runs benchmarks/loadgen.py in its own process against
-every target in ABBA order on the same Poisson schedule; added = target - direct at the same
-percentile, and each gateway's CPU per request comes from its process's CPU time (all threads).
+sglang-router (the `bench` extra, started by peer_router.py with `--policy round_robin`) as
+separate processes. LiteLLM's proxy is a column only when `litellm` is importable; otherwise
+the report says why it is missing. Each measurement runs benchmarks/loadgen.py in its own
+process against every target in ABBA order on the same Poisson schedule; added = target -
+direct at the same percentile, and each gateway's CPU per request comes from its process's CPU
+time (all threads).
 
-In order: the highest rate at which each gateway's added p99 stays under 10 ms (searched
-upward, non-streaming, then streaming by TTFT); every rate x mode row; the cost of a ~100k-token
-chat prompt (~400 KB, end to end); memory per 1,000 open, nearly idle streams (RSS delta of
-fresh gateways in front of a slow upstream); last, the instrument's own ceiling (generator +
-upstream, direct only). Prints Markdown tables, one command for all of them.
+In order, on fresh gateways: every rate x mode row; the cost of a ~100k-token chat prompt
+(~400 KB, end to end); the highest rate at which each gateway's added p99 stays under 10 ms
+(searched upward, non-streaming, then streaming by TTFT; these end by overloading them); the
+instrument's own ceiling (generator + upstream, direct only); last, memory per 1,000 open,
+nearly idle streams (RSS delta of new gateways in front of a slow upstream). Prints Markdown
+tables, one command for all of them.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.metadata
 import importlib.util
 import os
 import subprocess
@@ -36,6 +37,7 @@ from typing import Any
 
 import held_streams
 import orjson
+import peer_router
 import services
 
 MODES = ("unary", "stream")
@@ -445,8 +447,7 @@ def failure_kinds(runs: Iterable[Run]) -> str:
 
 
 def peers_line(missing: dict[str, str]) -> str:
-    versions = [f"{name} {importlib.metadata.version(name)}" for name in ("sglang-router",)]
-    text = "Peers: " + ", ".join(versions) + " (`--policy round_robin`, one process)."
+    text = f"Peers: sglang-router {peer_router.version()} (`--policy round_robin`, one process)."
     for name, why in missing.items():
         text += f" {name}: no column, {why}."
     return text
@@ -508,16 +509,20 @@ def missing_peers() -> dict[str, str]:
 @contextmanager
 def gateways(tmp: Path, name: str, upstream_url: str) -> Iterator[dict[str, Gateway]]:
     """kvgate and sglang-router in front of `upstream_url`, until the block ends."""
-    kv_port, sg_port = services.free_port(), services.free_port()
+    kv_port = services.free_port()
     config = tmp / f"{name}.yaml"
     config.write_text(services.gateway_config(kv_port, [upstream_url]))
     with ExitStack() as inner:
         kv = inner.enter_context(services.gateway(config, kv_port))
-        sg = inner.enter_context(services.sglang_router(sg_port, [upstream_url]))
+        workdir = tmp / name
+        workdir.mkdir()
+        sg_base, sg_pid = inner.enter_context(
+            peer_router.running_router([upstream_url], workdir, "round_robin")
+        )
         path = "/v1/chat/completions"
         yield {
             KVGATE: Gateway(f"http://127.0.0.1:{kv_port}{path}", kv.pid),
-            SGLANG: Gateway(f"http://127.0.0.1:{sg_port}{path}", sg.pid),
+            SGLANG: Gateway(sg_base + path, sg_pid),
         }
 
 

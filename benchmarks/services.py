@@ -115,32 +115,6 @@ def gateway(
     )
 
 
-def sglang_router(
-    port: int, worker_urls: list[str]
-) -> contextlib.AbstractContextManager[subprocess.Popen[bytes]]:
-    """sglang-router (the `bench` extra) as its CLI launches it, round robin over `worker_urls`;
-    ready once its `/health` answers 200."""
-    return service(
-        [
-            "-m",
-            "sglang_router.cli",
-            "launch",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--worker-urls",
-            *worker_urls,
-            "--policy",
-            "round_robin",
-            "--log-level",
-            "error",
-        ],
-        port,
-        "/health",
-    )
-
-
 def rss_bytes(pid: int) -> int:
     """Resident set size of process `pid` (all its threads)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
