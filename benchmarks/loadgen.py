@@ -339,11 +339,17 @@ async def run_segment(pool: ConnectionPool, offsets: list[int]) -> list[Sample]:
     return samples
 
 
-def request_body(stream: bool) -> bytes:
+def request_body(stream: bool, prompt_bytes: int = 0) -> bytes:
+    """The chat request every segment sends; with `prompt_bytes`, a user message of about that
+    many bytes of plain words (~4 bytes a token) instead of the short greeting."""
+    content = "Say hello."
+    if prompt_bytes > 0:
+        words = " ".join(f"w{i % 9973}" for i in range(prompt_bytes // 5 + 1))
+        content = words[:prompt_bytes]
     payload: dict[str, Any] = {
         "model": "bench-model",
         "max_tokens": 16,
-        "messages": [{"role": "user", "content": "Say hello."}],
+        "messages": [{"role": "user", "content": content}],
     }
     if stream:
         payload.update(stream=True, stream_options={"include_usage": True})
@@ -400,11 +406,12 @@ async def run_plan(
     warmup: float = 1.0,
     arrivals: str = "poisson",
     seed: int = 1,
+    prompt_bytes: int = 0,
 ) -> dict[str, dict[str, Any]]:
     """ABBA...: `rounds` rounds over the targets, reversing the order every other round; each
     segment is `warmup` s (discarded) then `duration / rounds` s measured. Same schedule for
     every target within a round."""
-    body = request_body(stream)
+    body = request_body(stream, prompt_bytes)
     pools = {name: ConnectionPool(url, body, stream) for name, url in targets.items()}
     measured: dict[str, list[Sample]] = {name: [] for name in targets}
     elapsed = dict.fromkeys(targets, 0)
@@ -455,6 +462,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=1.0, help="discarded s per segment")
     parser.add_argument("--arrivals", choices=["poisson", "uniform"], default="poisson")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--prompt-bytes", type=int, default=0, help="long user message of about this many bytes"
+    )
     args = parser.parse_args()
     result = uvloop.run(
         run_plan(
@@ -466,6 +476,7 @@ def main() -> None:
             args.warmup,
             args.arrivals,
             args.seed,
+            args.prompt_bytes,
         )
     )
     sys.stdout.buffer.write(orjson.dumps(result) + b"\n")

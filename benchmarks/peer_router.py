@@ -66,6 +66,13 @@ def sglang_router(
 ) -> Iterator[str]:
     """Run sglang-router over `worker_urls` until the block exits; yields its base URL once
     every worker is registered and healthy. Raises PeerUnavailable if it cannot start."""
+    with running_router(worker_urls, workdir, policy) as (base, _):
+        yield base
+
+
+@contextlib.contextmanager
+def running_router(worker_urls: list[str], workdir: Path, policy: str) -> Iterator[tuple[str, int]]:
+    """`sglang_router`, yielding its base URL and its process id (for its CPU time and RSS)."""
     if importlib.util.find_spec("sglang_router") is None:
         raise PeerUnavailable("sglang-router not installed (pip install -e '.[bench]')")
     port, metrics_port = free_port(), free_port()
@@ -102,6 +109,6 @@ def sglang_router(
                     f"sglang-router not ready in {READY_SECONDS:g} s: {_tail(log)}"
                 )
             time.sleep(0.1)
-        yield base
+        yield base, proc.pid
     finally:
         stop(proc)

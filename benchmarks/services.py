@@ -113,3 +113,11 @@ def gateway(
         port,
         "/readyz",
     )
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of process `pid` (all its threads)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")

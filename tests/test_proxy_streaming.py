@@ -105,6 +105,29 @@ def test_stall_timeout_after_commit_is_an_error_event(upstream, start_gateway):
     assert last["error"]["code"] == "upstream_stall_timeout"
 
 
+def test_stream_with_every_gap_under_the_stall_limit_completes(upstream, start_gateway):
+    # 6 gaps of 0.15 s: each under the 0.4 s stall limit, together more than twice it.
+    engine, server_thread = upstream
+    engine.script.chunks, engine.script.gap = 7, 0.15
+    _, server = start_gateway(gateway_config([server_thread.url], timeouts={"stall": 0.4}))
+    response = httpx.post(server.url + "/v1/chat/completions", json=CHAT)
+    assert response.status_code == 200
+    events = _events(response.content)
+    assert events[-1] == b"data: [DONE]"
+    assert len([e for e in events if e.startswith(b"data: {")]) == 7
+
+
+def test_total_deadline_cuts_a_steady_stream(upstream, start_gateway):
+    engine, server_thread = upstream
+    engine.script.chunks, engine.script.gap = 40, 0.1
+    config = gateway_config([server_thread.url], timeouts={"stall": 0.5, "total": 1.0})
+    _, server = start_gateway(config)
+    response = httpx.post(server.url + "/v1/chat/completions", json=CHAT)
+    assert response.status_code == 200
+    last = orjson.loads(_events(response.content)[-1].removeprefix(b"data: "))
+    assert last["error"]["code"] == "deadline_exceeded"
+
+
 def test_total_deadline_for_unary(upstream, start_gateway):
     engine, server_thread = upstream
     engine.script.headers_delay = 5
