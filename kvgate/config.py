@@ -116,7 +116,12 @@ class EndpointConfig(_Strict):
     def _http_url(cls, value: str) -> str:
         if not re.fullmatch(r"https?://[^/\s]+(/[^\s]*)?", value):
             raise ValueError("must be an http:// or https:// URL")
-        return value.rstrip("/")
+        root = value.rstrip("/")
+        if root.endswith("/v1"):
+            raise ValueError(
+                "must be the engine's root URL, without /v1 (kvgate adds the /v1/... path)"
+            )
+        return root
 
 
 class PoolConfig(_Strict):

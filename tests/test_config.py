@@ -154,3 +154,16 @@ def test_missing_pools_and_wrong_top_level(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(tmp_path / "absent.yaml")
     assert "cannot read" in info.value.problems[0]
+
+
+def test_an_endpoint_url_ending_in_v1_is_refused(tmp_path):
+    problems = _problems(
+        tmp_path,
+        """\
+        pools:
+          - name: a
+            endpoints: [{url: "http://h:8000/v1/"}]
+        """,
+    )
+    (problem,) = problems
+    assert "pools[0].endpoints[0].url" in problem and "without /v1" in problem
