@@ -39,13 +39,19 @@ healthz() {  # wait until the gateway on port $1 answers /healthz
     return 1
 }
 
-KVGATE_PORT=$port "$work/venv/bin/kvgate" demo --log-level warning > "$work/demo.log" 2>&1 &
-demo=$!
-if ! healthz "$port"; then
-    cat "$work/demo.log" >&2
-    echo "install-check: kvgate demo did not answer /healthz" >&2
-    exit 1
-fi
+serving() {  # start "$3..." in the background (log $1), and fail unless it answers /healthz
+    local log=$1 what=$2
+    shift 2
+    "$@" > "$log" 2>&1 &
+    demo=$!
+    if ! healthz "$port"; then
+        cat "$log" >&2
+        echo "install-check: $what did not answer /healthz" >&2
+        exit 1
+    fi
+}
+
+serving "$work/demo.log" "kvgate demo" env KVGATE_PORT="$port" "$work/venv/bin/kvgate" demo --log-level warning
 echo "install-check: the installed wheel serves /healthz (run from $work, outside $repo)"
 kill "$demo"; wait "$demo" 2>/dev/null || true; demo=""
 
@@ -60,11 +66,6 @@ pools:
     endpoints: [{url: "http://127.0.0.1:9"}]
 YAML
 "$work/venv/bin/kvgate" check-config "$work/gateway.yaml"
-"$work/venv/bin/kvgate" serve --config "$work/gateway.yaml" --log-level warning > "$work/serve.log" 2>&1 &
-demo=$!
-if ! healthz "$port"; then
-    cat "$work/serve.log" >&2
-    echo "install-check: kvgate serve with 'policy: latency' did not answer /healthz" >&2
-    exit 1
-fi
+serving "$work/serve.log" "kvgate serve with 'policy: latency'" \
+    "$work/venv/bin/kvgate" serve --config "$work/gateway.yaml" --log-level warning
 echo "install-check: the installed wheel serves a config with 'policy: latency'"
