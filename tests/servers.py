@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 from typing import Any
@@ -71,3 +72,25 @@ class ServerThread:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self._thread.join(timeout=10)
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_base_port(count: int, offsets: tuple[int, ...] = (0,)) -> int:
+    """A port P such that P + offset + i is free for every offset and every i < count (for a
+    fleet of simulated engines on consecutive ports, with their event sockets at offsets)."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = int(probe.getsockname()[1])
+        wanted = [base + offset + i for offset in offsets for i in range(count)]
+        if max(wanted) < 65000 and all(port_is_free(port) for port in wanted):
+            return base
+    raise RuntimeError("no free port range")

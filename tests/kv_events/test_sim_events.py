@@ -17,6 +17,7 @@ from kvgate.routing.kv_events import KvEventSubscriber
 from kvgate.sim import EngineOptions, SimEngine, SimFleet
 from kvgate.sim.chat_template import render_chat
 from kvgate.sim.tokenizer import token_ids, tokenize
+from tests.servers import free_base_port, port_is_free
 
 from .helpers import RecordingSink, until
 
@@ -260,38 +261,17 @@ async def test_without_kv_events_nothing_is_published(client):
 
 @pytest.mark.parametrize("offset", [0, 2000], ids=["http port", "replay port"])
 async def test_a_taken_port_fails_the_start_and_frees_the_others(offset):
-    base = _free_base_port(1)
+    base = free_base_port(1, (0, 1000, 2000))
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", base + offset))
         taken.listen()
         with pytest.raises(OSError):
             await SimFleet(1, base_port=base, options=_options()).start()
-    assert all(_is_free(base + port) for port in (0, 1000, 2000))
-
-
-def _free_base_port(engines: int) -> int:
-    """A port P such that P + i, P + 1000 + i and P + 2000 + i are free for every engine i."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        wanted = [port + offset + i for offset in (0, 1000, 2000) for i in range(engines)]
-        if max(wanted) < 65000 and all(_is_free(candidate) for candidate in wanted):
-            return port
-    raise RuntimeError("no free ports")
-
-
-def _is_free(port: int) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+    assert all(port_is_free(base + port) for port in (0, 1000, 2000))
 
 
 def test_cli_publishes_on_the_port_offsets_of_consecutive_engines():
-    base = _free_base_port(2)
+    base = free_base_port(2, (0, 1000, 2000))
     code = (
         "import argparse, sys; from kvgate.sim import cli; p = argparse.ArgumentParser(); "
         "cli.add_arguments(p); sys.exit(cli.run(p.parse_args(sys.argv[1:])))"

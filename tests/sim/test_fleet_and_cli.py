@@ -2,7 +2,6 @@
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 
@@ -10,6 +9,7 @@ import httpx
 
 import kvgate.sim
 from kvgate.sim import EngineOptions, SimFleet
+from tests.servers import free_base_port, port_is_free
 
 
 def test_public_surface_is_pinned():
@@ -24,33 +24,14 @@ def test_public_surface_is_pinned():
     ]
 
 
-def _free_base_port(count: int) -> int:
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + count < 65000 and all(_is_free(base + i) for i in range(count)):
-            return base
-    raise RuntimeError("no free port range")
-
-
-def _is_free(port: int) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 async def test_fleet_uses_consecutive_ports_and_runs_in_a_live_loop():
-    base = _free_base_port(3)
+    base = free_base_port(3)
     async with SimFleet(3, base_port=base, options=EngineOptions(profile="fast")) as fleet:
         assert fleet.urls == [f"http://127.0.0.1:{base + i}" for i in range(3)]
         async with httpx.AsyncClient(timeout=5) as client:
             for url in fleet.urls:
                 assert (await client.get(f"{url}/health")).status_code == 200
-    assert _is_free(base)
+    assert port_is_free(base)
 
 
 async def test_fleet_listens_on_the_address_it_is_given():
