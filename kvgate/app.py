@@ -26,7 +26,8 @@ from kvgate.chain.pipeline import RequestChain
 from kvgate.chain.responses_gate import ResponsesStage
 from kvgate.chain.tenants import TenantDirectory
 from kvgate.config import Config, StateConfig
-from kvgate.errors import KvgateError, MethodNotAllowed, NotFound
+from kvgate.errors import KvgateError, MethodNotAllowed, NotFound, Overloaded
+from kvgate.fleet_admin import FleetAdminRoutes
 from kvgate.ingress import INFERENCE_ROUTES, ClientGone, parse_payload, read_body, request_context
 from kvgate.observability.access_log import AccessLog
 from kvgate.observability.metrics import GatewayMetrics
@@ -81,6 +82,7 @@ class GatewayApp:
         self.config = config
         # Set when the process starts to drain (SIGTERM): /readyz answers 503 from then on.
         self.draining = False
+        self._drain_end: asyncio.TimerHandle | None = None
         self.fleet = Fleet(
             (build_pool(p, config.routing) for p in config.pools), config.health.panic_threshold
         )
@@ -105,12 +107,6 @@ class GatewayApp:
             config.admission,
             self.metrics.admission,
         )
-        self.admin = AdminRoutes(
-            self.tenants,
-            self.classifier,
-            self.admission,
-            config.classification.chars_per_token,
-        )
         self.models = ModelRoutes(self.fleet, self.tenants, config.server.models_require_key)
         # With `server.admin_port` set, /metrics and /admin/* are served only there
         # (kvgate/admin_listener.py) and are unknown routes on this, the public port.
@@ -120,6 +116,18 @@ class GatewayApp:
         self.transport = UpstreamTransport(config.upstream, config.timeouts.connect)
         # Breakers on every endpoint, retry budgets and throttles per pool (docs/resilience.md).
         self.resilience = Resilience(config, self.fleet, self.metrics.resilience)
+        self.admin = FleetAdminRoutes(
+            config,
+            self.fleet,
+            self.resilience,
+            self.routing.index,
+            AdminRoutes(
+                self.tenants,
+                self.classifier,
+                self.admission,
+                config.classification.chars_per_token,
+            ),
+        )
         # This app's state, read at scrape time (per process: docs/observability.md).
         self.views = (
             RoutingCollector(self.fleet, self.routing),
@@ -192,7 +200,29 @@ class GatewayApp:
         gc.collect()
         gc.freeze()
 
+    def begin_drain(self, grace: float) -> None:
+        """The process is going away: from now on /readyz answers 503 and waiting and new
+        requests get 503 `draining`; requests still running `grace` seconds from now are
+        ended (a stream with an error event as its last). Call on the event loop."""
+        if self.draining:
+            return
+        self.draining = True
+        self.admission.drain()
+        self._drain_end = asyncio.get_running_loop().call_later(grace, self._end_drain)
+
+    def _end_drain(self) -> None:
+        error = Overloaded(
+            "This gateway shut down before the answer was complete; retry the request",
+            code="drain_timeout",
+            retry_after=1,
+        )
+        ended = self.chain.end_requests(error)
+        if ended:
+            log.warning("drain time is up: ended %d request(s) still running", ended)
+
     async def shutdown(self) -> None:
+        if self._drain_end is not None:
+            self._drain_end.cancel()
         gc.unfreeze()
         await self.admission.stop()
         await self.store.stop()

@@ -5,8 +5,12 @@ A reload builds and starts a new `GatewayApp` from the file and swaps it in for 
 one assignment; requests already inside the old app finish there, and the old app is shut down
 when the last of them ends. A file that does not load is refused with `kvgate check-config`'s
 messages and the running app keeps serving. The process's metric instruments carry over, so
-counters never reset on reload; routing and resilience state (prefix index, breakers) start
-afresh in the new app.
+counters never reset on reload, and so does the state of the endpoints and tenants that remain
+(prefix index, breakers, quotas, drained flags: `kvgate/reload_carryover.py`).
+
+Drain (SIGTERM): every app still serving requests stops taking new ones and ends what still
+runs after `server.drain_seconds` (`GatewayApp.begin_drain`), before the server's own grace
+(one second longer: `kvgate/serving.py`) cancels whatever is left.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from kvgate.asgi import JSON, Receive, Scope, Send, send_bytes, send_error
 from kvgate.config import ConfigError, load_config
 from kvgate.errors import KvgateError, MethodNotAllowed
 from kvgate.http_server import use_header_timeout
+from kvgate.reload_carryover import carry_over
 from kvgate.routing.policy_catalog import load_policies
 
 log = logging.getLogger("kvgate")
@@ -50,6 +55,9 @@ class ReloadableGateway:
         self.path = path
         self.supervised = supervised
         self.current = GatewayApp(load_config(path))
+        # Read at start, as the server's own grace is (docs/config.md).
+        self.drain_seconds = self.current.config.server.drain_seconds
+        self._drain_deadline: float | None = None
         self._inflight: dict[GatewayApp, int] = {}
         self._retired: set[GatewayApp] = set()
         self._tasks: set[asyncio.Task[object]] = set()
@@ -96,7 +104,9 @@ class ReloadableGateway:
             except BaseException:
                 await app.shutdown()
                 raise
-            app.draining = self.current.draining
+            carry_over(self.current, app)
+            if self._drain_deadline is not None:
+                app.begin_drain(self._drain_deadline - asyncio.get_running_loop().time())
             old, self.current = self.current, app
             log.info("config reloaded from %s", self.path)
             if not self._inflight.get(old):
@@ -201,22 +211,31 @@ class ReloadableGateway:
         for signum in (signal.SIGTERM, signal.SIGINT):
             server_handler = signal.getsignal(signum)
             if callable(server_handler):
-                signal.signal(signum, functools.partial(self._drain, server_handler))
+                signal.signal(signum, functools.partial(self._drain, loop, server_handler))
 
     def _drain(
         self,
+        loop: asyncio.AbstractEventLoop,
         server_handler: Callable[[int, FrameType | None], object],
         signum: int,
         frame: FrameType | None,
     ) -> None:
-        self.begin_drain()
+        loop.call_soon_threadsafe(self.begin_drain)
         server_handler(signum, frame)
 
     def begin_drain(self) -> None:
-        """From now on /readyz answers 503: the process is going away."""
-        if not self.current.draining:
-            self.current.draining = True
-            log.info("draining: /readyz answers 503; requests in flight may finish")
+        """The process is going away: /readyz answers 503, queued and new requests get 503
+        `draining`, and requests still running after `server.drain_seconds` are ended, a
+        stream with an error event (`GatewayApp.begin_drain`). Call on the event loop."""
+        if self._drain_deadline is not None:
+            return
+        self._drain_deadline = asyncio.get_running_loop().time() + self.drain_seconds
+        for app in {self.current, *self._inflight}:
+            app.begin_drain(self.drain_seconds)
+        log.info(
+            "draining: /readyz answers 503; requests in flight get up to %g s to finish",
+            self.drain_seconds,
+        )
 
 
 def app_from_env() -> ReloadableGateway:

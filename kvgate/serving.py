@@ -9,6 +9,8 @@ from typing import Any
 from kvgate.http_server import HeaderDeadlineProtocol
 from kvgate.observability.log_format import logging_config
 
+_ENDING_SECONDS = 1
+
 
 def uvicorn_options(
     host: str,
@@ -33,7 +35,9 @@ def uvicorn_options(
         # Every process uvicorn starts logs like this one (workers included).
         "log_config": logging_config(log_level, log_format),
         "server_header": False,
-        # uvicorn takes whole seconds; round up so a grace is never shortened.
-        "timeout_graceful_shutdown": math.ceil(drain_seconds),
+        # uvicorn takes whole seconds; round up so a grace is never shortened. The gateway ends
+        # what still runs at `drain_seconds` itself (an error event to each stream); the extra
+        # second lets those events go out before uvicorn cancels whatever is left.
+        "timeout_graceful_shutdown": math.ceil(drain_seconds) + _ENDING_SECONDS,
         "proxy_headers": False,  # kvgate reads no client address
     }

@@ -35,6 +35,8 @@ _MODULE_LAYERS = {
     "kvgate.ingress": "ingress",
     "kvgate.app": "app",
     "kvgate.hot_reload": "app",
+    "kvgate.fleet_admin": "app",
+    "kvgate.reload_carryover": "app",
     "kvgate.cli": "cli",
     "kvgate.demo": "cli",
     "kvgate.serving": "cli",

@@ -13,6 +13,10 @@ In order, for each request:
    the dispatcher grants it; at its class's `max_queue_wait` or when its deadline can no longer
    be met (503); or at client disconnect, which removes it at once.
 
+Drain (`drain`, on SIGTERM): every waiting request and every request admitted from then on gets
+503 `draining` with `Retry-After: 1` at once (another replica can take it); requests already
+admitted run on.
+
 The dispatcher is one task owned by the controller. It runs when an admitted request finishes,
 when a request is queued, and every `recheck_interval` while anything waits (engine telemetry
 changes without any request finishing); it is idle otherwise. Before granting, a waiter whose
@@ -96,6 +100,7 @@ class AdmissionController:
             config.initial_ttft, config.initial_token_time, config.prediction_deviations
         )
         self._rate = _CompletionRate()
+        self.draining = False
         self._wake = asyncio.Event()
         self._dispatcher = OwnedTask("admission-dispatcher")
 
@@ -104,6 +109,8 @@ class AdmissionController:
     async def admit(self, ctx: RequestContext) -> None:
         tenant, intent = ctx.tenant, ctx.intent
         assert tenant is not None and intent is not None, "auth and classify run first"
+        if self.draining:
+            raise _draining()
         reservation = await self._reserve(tenant, intent)
         ctx.on_finish(partial(self._settle, reservation))
         key: QueueKey = (ctx.model, ctx.allowed_jurisdictions)
@@ -291,6 +298,17 @@ class AdmissionController:
     def _gauge(self, rank: int) -> None:
         self.observer.queue_length(CLASSES_BY_RANK[rank], self.queue.length(rank))
 
+    # --- drain ------------------------------------------------------------------------------
+
+    def drain(self) -> None:
+        """Refuse every waiting request now and every new one from now on (503 `draining`)."""
+        self.draining = True
+        for waiter in self.queue.waiters():
+            self._leave(waiter, "shed")
+            self.observer.shed(CLASSES_BY_RANK[waiter.rank], "draining")
+            if not waiter.future.done():
+                waiter.future.set_exception(_draining())
+
     # --- the dispatcher ---------------------------------------------------------------------
 
     def _ensure_dispatcher(self) -> None:
@@ -342,6 +360,12 @@ class AdmissionController:
                 waiter.future.set_result(None)
                 await waiter.resumed.wait()
                 await asyncio.sleep(0)
+
+
+def _draining() -> Overloaded:
+    return Overloaded(
+        "This gateway is shutting down; retry the request", code="draining", retry_after=1
+    )
 
 
 def _completion_tokens(ctx: RequestContext) -> int:

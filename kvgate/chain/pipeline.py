@@ -4,7 +4,9 @@
 
 Stages run in order over one RequestContext; the first that raises a KvgateError stops the
 chain, its error goes to the client (before the commit point), and every resource taken so far
-is released by `ctx.finish()`. A client disconnect cancels the chain wherever it is.
+is released by `ctx.finish()`. A client disconnect cancels the chain wherever it is;
+`end_requests` (the end of a drain) cancels every request in the chain and answers each with
+an error: a stream gets it as its last event.
 """
 
 from __future__ import annotations
@@ -28,10 +30,21 @@ class RequestChain:
         self.stages = tuple(stages)
         self.forward = forward
         self.settle = settle
+        self._running: set[asyncio.Task[object]] = set()
+        self._ending: KvgateError | None = None
+
+    def end_requests(self, error: KvgateError) -> int:
+        """End every request in the chain now with `error` (as the last event of a stream
+        already under way, else as the answer); returns how many there were."""
+        self._ending = error
+        for task in self._running:
+            task.cancel()
+        return len(self._running)
 
     async def handle(self, ctx: RequestContext, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
         assert task is not None
+        self._running.add(task)
         watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, task, ctx))
         try:
             for stage in self.stages:
@@ -42,15 +55,20 @@ class RequestChain:
         except KvgateError as error:
             await _answer_error(ctx, send, error)
         except asyncio.CancelledError:
-            if not ctx.client_gone:
+            if ctx.client_gone:
+                task.uncancel()
+                ctx.outcome = "client_disconnect"
+                ctx.status = ctx.status or 499
+            elif self._ending is not None:
+                task.uncancel()
+                await _answer_error(ctx, send, self._ending)
+            else:
                 raise
-            task.uncancel()
-            ctx.outcome = "client_disconnect"
-            ctx.status = ctx.status or 499
         except Exception:
             log.exception("request %s failed inside the gateway", ctx.request_id)
             await _answer_error(ctx, send, GatewayBug("internal gateway error"))
         finally:
+            self._running.discard(task)
             watcher.cancel()
             try:
                 ctx.finish()

@@ -179,6 +179,10 @@ class AdmissionQueue:
                 worst = waiter
         return worst
 
+    def waiters(self) -> list[Waiter]:
+        """Every waiter still in the queue."""
+        return list(self._live())
+
     def _live(self) -> Iterator[Waiter]:
         for classes in self._keys.values():
             for queue in classes:

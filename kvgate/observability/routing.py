@@ -63,6 +63,11 @@ class RoutingCollector(Collector):
             "1 when the endpoint passes its health check.",
             labels=["endpoint"],
         )
+        drained = GaugeMetricFamily(
+            "kvgate_endpoint_drained",
+            "1 while an operator has drained the endpoint (no new requests).",
+            labels=["endpoint"],
+        )
         for endpoint in self.fleet.endpoints:
             name = endpoint.name
             entries.add_metric([name], index.entries(name))
@@ -74,8 +79,9 @@ class RoutingCollector(Collector):
             saturated.add_metric([name], 1 if endpoint.saturated else 0)
             inflight.add_metric([name], endpoint.inflight)
             healthy.add_metric([name], 1 if endpoint.healthy else 0)
+            drained.add_metric([name], 1 if endpoint.drained else 0)
         yield from (entries, capacity, evictions, prefill, decoding, stale, saturated)
-        yield from (inflight, healthy)
+        yield from (inflight, healthy, drained)
         predicted = CounterMetricFamily(
             "kvgate_prefix_predicted_tokens",
             "Prompt tokens the prefix index predicted the chosen endpoint held, over answers "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 
 from kvgate.types import RequestContext
 
@@ -48,3 +49,11 @@ class SessionAffinity:
         sessions.move_to_end(key)
         while len(sessions) > self.max_sessions:
             sessions.popitem(last=False)
+
+    def adopt(self, old: SessionAffinity, names: Mapping[str, str]) -> None:
+        """Keep `old`'s sessions on the endpoints that remain after a reload (`names`: old
+        endpoint name → new name), least recently used first, at most `max_sessions`."""
+        for key, (endpoint, touched) in old._sessions.items():
+            new_name = names.get(endpoint)
+            if new_name is not None:
+                self.set(key, new_name, touched)

@@ -6,7 +6,7 @@ import logging
 import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from kvgate.config import EngineKind, PoolConfig
 from kvgate.routing.endpoint_load import EndpointLoad
@@ -17,6 +17,8 @@ if TYPE_CHECKING:
     from kvgate.types import RequestContext
 
 log = logging.getLogger("kvgate.health")
+
+IndexMode = Literal["approximate", "precise"]
 
 
 class BreakerView(Protocol):
@@ -73,7 +75,8 @@ class Endpoint:
     `last_success` (monotonic seconds) is when an attempt here last succeeded or streamed its
     first event, the passive evidence health checks weigh; `panic_routed` is set by
     `Fleet.refresh` while the pool is in panic (too few healthy endpoints), and then routes
-    here even when unhealthy.
+    here even when unhealthy. `drained` is the operator's (`POST /admin/endpoints/{name}/drain`):
+    a drained endpoint gets no new request, its requests in flight finish.
     """
 
     name: str
@@ -106,6 +109,10 @@ class Endpoint:
     streams_unqueued: int = 0
     queued_at_scrape: int = 0
     unqueued_at_scrape: int = 0
+    drained: bool = False
+    # Which prefix index routes here: `approximate` (the gateway's own routing decisions) or
+    # `precise` (the engine's KV events).
+    index_mode: IndexMode = "approximate"
     # id(ctx) → prompt tokens still to prefill, or -1 once the attempt decodes.
     _attempts: dict[int, int] = field(default_factory=dict)
 
@@ -213,7 +220,7 @@ class Endpoint:
     def routable(self) -> bool:
         if self.limits.stale_policy == "exclude" and self.stale:
             return False
-        return (self.healthy or self.panic_routed) and self.breaker.admits()
+        return (self.healthy or self.panic_routed) and not self.drained and self.breaker.admits()
 
     @property
     def health_path(self) -> str:
@@ -320,7 +327,8 @@ class Fleet:
         jurisdictions: frozenset[str] | None = None,
     ) -> list[Endpoint]:
         """The one answer to "which endpoints can take this now": endpoints in rotation
-        (healthy, or in a pool in panic) serving `model` whose breaker admits traffic (and,
+        (healthy, or in a pool in panic), not drained, serving `model` whose breaker admits
+        traffic (and,
         with the `exclude` stale policy, whose telemetry is fresh), in `pools` and
         `jurisdictions` if given, minus `exclude`."""
         return [
@@ -337,6 +345,10 @@ class Fleet:
         candidate at all the request goes on, and picking answers 404 or 503."""
         candidates = self.serving(model, jurisdictions=jurisdictions)
         return not candidates or any(not e.saturated for e in candidates)
+
+    def endpoint(self, name: str) -> Endpoint | None:
+        """The endpoint called `name` (`{pool}-{index}`), if any."""
+        return next((e for e in self.endpoints if e.name == name), None)
 
     def served_models(self) -> list[str]:
         """Models with at least one endpoint in rotation."""

@@ -15,7 +15,7 @@ import math
 import operator
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from functools import partial
 from itertools import compress, repeat
 from typing import cast
@@ -75,6 +75,22 @@ class PrefixIndex:
         are ints, floats and leaves of arrays, which never form cycles."""
         for endpoint in endpoints:
             self._for(endpoint)
+
+    def adopt(self, old: PrefixIndex, names: Mapping[str, str]) -> None:
+        """Take over `old`'s entries for the endpoints that remain after a reload (`names`:
+        old endpoint name → new name); the entries of the others are dropped with `old`. The
+        tables move rather than being copied, so requests begun before the reload, which
+        record into `old`, still teach this index; they take this index's TTL."""
+        for old_name, new_name in names.items():
+            blocks = old._blocks.get(old_name)
+            if blocks is not None:
+                blocks.ttl = self.ttl
+                self._blocks[new_name] = blocks
+        for first, holders in old._roots.items():
+            kept = {names[n]: b for n, b in holders.items() if n in names}
+            if kept:
+                self._roots.setdefault(first, {}).update(kept)
+        self._incomplete_until = max(self._incomplete_until, old._incomplete_until)
 
     def _for(self, endpoint: str) -> EndpointBlocks:
         blocks = self._blocks.get(endpoint)

@@ -15,7 +15,7 @@ release callbacks and must not block (a remote store queues them). Limits are pl
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -108,6 +108,20 @@ class InMemoryQuotaStore:
         self.clock = clock
         self._tenants: dict[str, _TenantBuckets] = {}
 
+    def adopt(self, old: InMemoryQuotaStore, limits: Mapping[str, QuotaLimits]) -> None:
+        """Take over `old`'s buckets of the tenants that remain after a reload (`limits`: the
+        limits of every tenant configured now), open reservations included: requests begun
+        before the reload settle into the same buckets. A bucket takes its tenant's new limit
+        (its level capped by it); the buckets of tenants no longer configured are dropped."""
+        now = self.clock()
+        for tenant, state in old._tenants.items():
+            tenant_limits = limits.get(tenant)
+            if tenant_limits is None:
+                continue
+            state.requests = _resized(state.requests, tenant_limits.requests_per_minute, now)
+            state.tokens = _resized(state.tokens, tenant_limits.tokens_per_minute, now)
+            self._tenants[tenant] = state
+
     def _buckets(self, tenant: str, limits: QuotaLimits, now: float) -> _TenantBuckets:
         state = self._tenants.get(tenant)
         if state is None:
@@ -178,3 +192,15 @@ class InMemoryQuotaStore:
             sum(s.outstanding_requests for s in self._tenants.values()),
             sum(s.outstanding_tokens for s in self._tenants.values()),
         )
+
+
+def _resized(bucket: _Bucket | None, capacity: int | None, now: float) -> _Bucket | None:
+    """`bucket` under a limit of `capacity` a minute (None: unlimited, no bucket)."""
+    if capacity is None:
+        return None
+    if bucket is None:
+        return _Bucket(capacity, capacity, now)
+    bucket.refill(now)
+    bucket.capacity = capacity
+    bucket.level = min(bucket.level, capacity)
+    return bucket

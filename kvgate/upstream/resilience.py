@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from kvgate.config import Config, ResilienceConfig
 from kvgate.routing.endpoints import Endpoint, Fleet
@@ -38,6 +38,26 @@ class Resilience:
                 breaker = EndpointBreaker(endpoint.name, settings.breaker, group, observer)
                 self.breakers[endpoint] = breaker
                 endpoint.breaker = breaker
+
+    def adopt(self, old: Resilience, names: Mapping[str, str]) -> None:
+        """Keep the breakers of the endpoints that remain after a reload (`names`: old
+        endpoint name → new name): each carries on in its state (an open breaker stays open
+        until its ejection time), under this config's breaker settings and pool group, and
+        still hears the attempts begun before the reload."""
+        by_name = {endpoint.name: endpoint for endpoint in self.breakers}
+        for old_endpoint, breaker in old.breakers.items():
+            endpoint = by_name.get(names.get(old_endpoint.name, ""))
+            if endpoint is None:
+                continue
+            fresh = self.breakers[endpoint]
+            members = fresh.group.members
+            members[members.index(fresh)] = breaker
+            breaker.name = endpoint.name
+            breaker.config = self.settings.breaker
+            breaker.group = fresh.group
+            breaker.observer = self.observer
+            self.breakers[endpoint] = breaker
+            endpoint.breaker = breaker
 
     def failure_is_local(self, endpoint: Endpoint) -> bool:
         """Whether a failure of `endpoint` is its own and not its pool's: no other endpoint of

@@ -193,10 +193,14 @@ def test_sigterm_lets_a_stream_longer_than_uvicorns_default_grace_finish(tmp_pat
         assert gateway.proc.wait(timeout=30) == -signal.SIGTERM
 
 
+async def _begin_drain(gateway: ReloadableGateway) -> None:
+    gateway.begin_drain()
+
+
 def test_readyz_answers_503_once_draining_starts(tmp_path, fleet):
     gateway = ReloadableGateway(write_config(tmp_path / "gw.yaml", fleet.urls, 0))
     with ServerThread(gateway) as server:
         assert httpx.get(server.url + "/readyz", timeout=5).status_code == 200
-        gateway.begin_drain()
+        server.call(_begin_drain(gateway))
         answer = httpx.get(server.url + "/readyz", timeout=5)
         assert (answer.status_code, answer.json()) == (503, {"status": "draining"})
