@@ -112,7 +112,8 @@ class InMemoryQuotaStore:
         """Take over `old`'s buckets of the tenants that remain after a reload (`limits`: the
         limits of every tenant configured now), open reservations included: requests begun
         before the reload settle into the same buckets. A bucket takes its tenant's new limit
-        (its level capped by it); the buckets of tenants no longer configured are dropped."""
+        and keeps what was used of it; the buckets of tenants no longer configured are
+        dropped."""
         now = self.clock()
         for tenant, state in old._tenants.items():
             tenant_limits = limits.get(tenant)
@@ -201,6 +202,7 @@ def _resized(bucket: _Bucket | None, capacity: int | None, now: float) -> _Bucke
     if bucket is None:
         return _Bucket(capacity, capacity, now)
     bucket.refill(now)
+    # What the tenant used stays used: the level moves with the limit.
+    bucket.level = min(capacity, bucket.level + capacity - bucket.capacity)
     bucket.capacity = capacity
-    bucket.level = min(bucket.level, capacity)
     return bucket
