@@ -16,13 +16,17 @@ import yaml
 
 from kvgate.config import ServerConfig, load_config
 from kvgate.routing.policy_catalog import load_policies
+from kvgate.serving import uvicorn_options
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 COMPOSE = DEPLOY / "compose"
 KUBE = DEPLOY / "kubernetes"
-# The drain kvgate gives requests in flight on SIGTERM (the config in deploy/ keeps the default).
-GRACEFUL_SHUTDOWN_SECONDS = ServerConfig().drain_seconds
+# How long kvgate may take to exit on SIGTERM: the drain it gives requests in flight (the
+# config in deploy/ keeps the default) and the second after it for their error events.
+GRACEFUL_SHUTDOWN_SECONDS = uvicorn_options(
+    "127.0.0.1", 0, "info", "json", drain_seconds=ServerConfig().drain_seconds
+)["timeout_graceful_shutdown"]
 
 
 def _documents(path: Path) -> list[Any]:
