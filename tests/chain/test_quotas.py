@@ -21,6 +21,25 @@ class Clock:
         return self.now
 
 
+async def test_a_reload_keeps_remaining_tenants_buckets_and_their_open_reservations():
+    clock = Clock()
+    old = InMemoryQuotaStore(clock)
+    limits = QuotaLimits(requests_per_minute=4, tokens_per_minute=1000)
+    running = await old.reserve("kept", limits, 600)
+    await old.reserve("gone", limits, 100)
+    new = InMemoryQuotaStore(clock)
+    # "kept": the token limit drops to 800 (600 used leaves 200), requests become unlimited.
+    new.adopt(old, {"kept": QuotaLimits(tokens_per_minute=800)})
+    assert new.outstanding() == (1, 600)  # the removed tenant's reservation is not carried
+    with pytest.raises(QuotaExceeded) as short:
+        await new.reserve("kept", QuotaLimits(tokens_per_minute=800), 300)
+    assert short.value.retry_after == pytest.approx(100 / (800 / 60))
+    old.settle(running, 100)  # the request begun before the reload settles: 500 come back
+    assert new.outstanding() == (0, 0)
+    for _ in range(5):  # no request limit any more
+        await new.reserve("kept", QuotaLimits(tokens_per_minute=800), 100)
+
+
 async def test_reserve_settle_release_and_retry_after():
     clock = Clock()
     store = InMemoryQuotaStore(clock)
