@@ -30,6 +30,7 @@ from kvgate.errors import KvgateError, MethodNotAllowed, NotFound, Overloaded
 from kvgate.fleet_admin import FleetAdminRoutes
 from kvgate.ingress import INFERENCE_ROUTES, ClientGone, parse_payload, read_body, request_context
 from kvgate.observability.access_log import AccessLog
+from kvgate.observability.cost import Pricing
 from kvgate.observability.metrics import GatewayMetrics
 from kvgate.observability.resilience import BreakerStateCollector
 from kvgate.observability.routing import RoutingCollector
@@ -97,6 +98,8 @@ class GatewayApp:
         self.routing.index.add_endpoints(e.name for e in self.fleet.endpoints)
         self.picker = build_router(self.fleet, load_policies(config), self.routing)
         self.metrics = metrics if metrics is not None else GatewayMetrics()
+        self.metrics.configure(config)
+        self.pricing = Pricing(config.pools, self.fleet.endpoints)
         self.access_log = AccessLog(enabled=config.server.access_log)
         self.tenants = TenantDirectory(config.auth, config.tiers)
         self.classifier = Classifier(config.classification)
@@ -291,8 +294,9 @@ class GatewayApp:
 
     def _settle(self, ctx: RequestContext) -> None:
         self.routing.feedback.observe(ctx)
-        self.metrics.observe(ctx, self.fleet)
-        self.access_log.finished(ctx)
+        cost = self.pricing.cost(ctx)
+        self.metrics.observe(ctx, self.fleet, cost)
+        self.access_log.finished(ctx, cost)
 
     async def _operational(self, scope: Scope, send: Send) -> None:
         path = scope["path"]

@@ -17,7 +17,15 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from kvgate.chain.settings import (
     AdmissionConfig,
@@ -124,6 +132,34 @@ class EndpointConfig(_Strict):
         return root
 
 
+class PriceConfig(_Strict):
+    """What a pool's work costs, in dollars, in one of two forms: per million tokens
+    (`input_per_mtok`, `output_per_mtok`, and `cached_input_per_mtok`, which defaults to the
+    input price), or per GPU-hour (`gpu_hour` x `gpus`) spread over the tokens the pool's
+    engines process (docs/observability.md, Cost)."""
+
+    input_per_mtok: float | None = Field(None, ge=0)
+    cached_input_per_mtok: float | None = Field(None, ge=0)
+    output_per_mtok: float | None = Field(None, ge=0)
+    gpu_hour: float | None = Field(None, gt=0)
+    gpus: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _one_form(self) -> PriceConfig:
+        per_token = (self.input_per_mtok, self.cached_input_per_mtok, self.output_per_mtok)
+        if self.gpu_hour is None:
+            if self.gpus is not None:
+                raise ValueError("gpus is given without gpu_hour")
+            if self.input_per_mtok is None or self.output_per_mtok is None:
+                raise ValueError(
+                    "give input_per_mtok and output_per_mtok (cached_input_per_mtok is "
+                    "optional), or gpu_hour and gpus"
+                )
+        elif any(price is not None for price in per_token):
+            raise ValueError("give per-token prices or gpu_hour, not both")
+        return self
+
+
 class PoolConfig(_Strict):
     name: str = Field(min_length=1)
     engine: EngineKind = "vllm"
@@ -135,6 +171,8 @@ class PoolConfig(_Strict):
     resume: bool = False
     # Whether the engines serve POST /v1/responses; unset: vLLM pools do, others do not.
     responses: bool | None = None
+    # Unset: the pool's requests are counted as successes but cost nothing.
+    price: PriceConfig | None = None
 
 
 class RetryConfig(_Strict):
@@ -214,6 +252,15 @@ class StateConfig(_Strict):
         return value
 
 
+class ObservabilityConfig(_Strict):
+    """Metrics settings (docs/observability.md)."""
+
+    # Distinct tenant and model label values each process reports; more become `other`. 100
+    # keeps the families labelled by tenant, model and pool to a few thousand series per
+    # process even with several pools, which one Prometheus scrape handles easily.
+    max_label_values: int = Field(100, ge=1)
+
+
 class Config(_Strict):
     server: ServerConfig = ServerConfig()
     timeouts: TimeoutsConfig = TimeoutsConfig()
@@ -229,6 +276,7 @@ class Config(_Strict):
     tiers: dict[str, TierConfig] = Field(default_factory=dict)
     classification: ClassificationConfig = ClassificationConfig()
     admission: AdmissionConfig = AdmissionConfig()
+    observability: ObservabilityConfig = ObservabilityConfig()
     # Where the config came from: a file's path, or a name in angle brackets; relative policy
     # paths are resolved against a file's folder.
     _source: str = PrivateAttr(default="<config>")
@@ -325,6 +373,11 @@ def _cross_check(config: Config) -> list[str]:
         if pool.name in seen_pools:
             problems.append(f"pools[{i}].name: duplicate pool name '{pool.name}'")
         seen_pools.add(pool.name)
+        if pool.engine == "openai" and pool.price is not None and pool.price.gpu_hour is not None:
+            problems.append(
+                f"pools[{i}].price.gpu_hour: needs the engines' token counters, which only "
+                "vllm and sglang pools have; give per-token prices"
+            )
         for j, endpoint in enumerate(pool.endpoints):
             where = f"pools[{i}].endpoints[{j}].url"
             if endpoint.url in seen_urls:

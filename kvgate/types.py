@@ -54,6 +54,8 @@ class RequestContext:
     responded: bool = False
     client_gone: bool = False
     first_token_at: float | None = None
+    # When the first upstream request was sent (time.perf_counter()).
+    sent_at: float | None = None
     usage: dict[str, Any] | None = None
     # Request chain (kvgate/chain): who asks, what kind of work it is, and by when.
     tenant: Tenant | None = None

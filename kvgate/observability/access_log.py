@@ -24,7 +24,8 @@ class AccessLog:
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
 
-    def finished(self, ctx: RequestContext) -> None:
+    def finished(self, ctx: RequestContext, cost: float | None = None) -> None:
+        """Log `ctx`; `cost` is its dollars when its pool has a price."""
         if not self.enabled or not log.isEnabledFor(logging.INFO):
             return
         record = {
@@ -53,6 +54,8 @@ class AccessLog:
             if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
                 usage["cached_tokens"] = details["cached_tokens"]
             record["usage"] = usage
+        if cost is not None:
+            record["cost_dollars"] = cost
         log.info(orjson.dumps(record).decode(), extra={FIELDS: record})
 
     def rejected(self, request_id: str, route: str, error: KvgateError) -> None:

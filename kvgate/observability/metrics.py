@@ -13,6 +13,10 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
+from kvgate.chain.tenants import ANONYMOUS
+from kvgate.config import Config, ObservabilityConfig
+from kvgate.observability.buckets import LATENCY_BUCKETS, TO_UPSTREAM_BUCKETS
+from kvgate.observability.labels import LabelCap
 from kvgate.observability.resilience import ResilienceMetrics
 from kvgate.routing.endpoints import Fleet
 from kvgate.types import RequestContext
@@ -20,8 +24,6 @@ from kvgate.types import RequestContext
 # Set by `kvgate serve --workers N` before the workers start; prometheus-client reads it when
 # first imported and then keeps every instrument's values in files there, one per process.
 MULTIPROCESS_DIR = "PROMETHEUS_MULTIPROC_DIR"
-# 5 ms to 5 min, with edges at 0.5, 1, 2 and 5 s (a 2 s TTFT objective reads off one bucket).
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
 # The token counts of an answer's `usage`, by the name of their counter.
 _TOKENS = (
     ("kvgate_prompt_tokens", "Prompt tokens the engines reported (usage.prompt_tokens)."),
@@ -36,8 +38,9 @@ _TOKENS = (
 
 class GatewayMetrics:
     """Every instrument of one gateway process: request counts and latencies by route, model
-    and outcome, and the admission and resilience observers. Model labels only ever carry names
-    the fleet serves, so clients cannot grow the label set.
+    and outcome, tokens, cost and successful tasks, and the admission and resilience
+    observers. Model labels only ever carry names the fleet serves, so clients cannot grow the
+    label set, and tenant and model labels are capped (`observability.max_label_values`).
 
     One instance outlives config reloads (the apps built from successive configs share it), so
     counters never reset on reload. With $PROMETHEUS_MULTIPROC_DIR set, `render` reports the
@@ -47,6 +50,8 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.multiprocess = bool(os.environ.get(MULTIPROCESS_DIR))
+        self.tenant_labels = LabelCap(ObservabilityConfig().max_label_values)
+        self.model_labels = LabelCap(ObservabilityConfig().max_label_values)
         self.requests = Counter(
             "kvgate_requests",
             "Requests answered, by route, model, HTTP status and outcome.",
@@ -57,14 +62,22 @@ class GatewayMetrics:
             "kvgate_request_duration_seconds",
             "Time from request start to the last byte.",
             ["route", "stream"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
         self.ttft = Histogram(
             "kvgate_time_to_first_token_seconds",
             "Streams: time from request start to the first event relayed.",
             ["route"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.to_upstream = Histogram(
+            "kvgate_time_to_upstream_seconds",
+            "Time from request start to the first upstream request sent (ingress, auth, "
+            "classification, admission wait, pick).",
+            ["route"],
+            buckets=TO_UPSTREAM_BUCKETS,
             registry=self.registry,
         )
         self.endpoint_requests = Counter(
@@ -77,7 +90,21 @@ class GatewayMetrics:
             Counter(name, help_text, ["tenant", "model", "pool"], registry=self.registry)
             for name, help_text in _TOKENS
         )
-        self.admission = AdmissionMetrics(self.registry)
+        self.cost = Counter(
+            "kvgate_cost_dollars",
+            "Dollars the requests cost at their pool's price (failed, retried and resumed work "
+            "included).",
+            ["tenant", "model", "pool"],
+            registry=self.registry,
+        )
+        self.successes = Counter(
+            "kvgate_successful_tasks",
+            "Successful tasks: requests answered completely with a 2xx, and workflows whose "
+            "last step (x-kvgate-workflow-step: n/n) was.",
+            ["tenant", "model", "pool", "kind"],
+            registry=self.registry,
+        )
+        self.admission = AdmissionMetrics(self.registry, self.tenant_labels)
         self.resilience = ResilienceMetrics(self.registry)
         # Labelled children of the per-request metrics, by label values: `.labels()` validates
         # and joins its arguments on every call, a dict lookup does not. Bounded like the label
@@ -85,12 +112,23 @@ class GatewayMetrics:
         self._requests: dict[tuple[str, str, int, str], Counter] = {}
         self._duration: dict[tuple[str, bool], Histogram] = {}
         self._ttft: dict[str, Histogram] = {}
+        self._to_upstream: dict[str, Histogram] = {}
         self._endpoint_requests: dict[tuple[str, str], Counter] = {}
         self._tokens: dict[tuple[str, str, str], tuple[Counter, ...]] = {}
+        self._cost: dict[tuple[str, str, str], Counter] = {}
 
-    def observe(self, ctx: RequestContext, fleet: Fleet) -> None:
+    def configure(self, config: Config) -> None:
+        """Take the label cap and the names that get the first places from `config`."""
+        limit = config.observability.max_label_values
+        auth = config.auth
+        tenants = [t.name for t in auth.tenants] if auth is not None else []
+        self.tenant_labels.configure(limit, tenants or [ANONYMOUS])
+        self.model_labels.configure(limit, (m for pool in config.pools for m in pool.models))
+
+    def observe(self, ctx: RequestContext, fleet: Fleet, cost: float | None = None) -> None:
+        """Count a finished request; `cost` is its dollars when its pool has a price."""
         now = time.perf_counter()
-        model = ctx.model if fleet.serves(ctx.model) else "_unknown"
+        model = self.model_labels(ctx.model if fleet.serves(ctx.model) else "_unknown")
         request_key = (ctx.route, model, ctx.status, ctx.outcome)
         requests = self._requests.get(request_key)
         if requests is None:
@@ -109,6 +147,11 @@ class GatewayMetrics:
             if ttft is None:
                 ttft = self._ttft[ctx.route] = self.ttft.labels(ctx.route)
             ttft.observe(ctx.first_token_at - ctx.started)
+        if ctx.sent_at is not None:
+            to_upstream = self._to_upstream.get(ctx.route)
+            if to_upstream is None:
+                to_upstream = self._to_upstream[ctx.route] = self.to_upstream.labels(ctx.route)
+            to_upstream.observe(ctx.sent_at - ctx.started)
         if ctx.endpoint is not None:
             endpoint_key = (ctx.endpoint.name, ctx.outcome)
             endpoint = self._endpoint_requests.get(endpoint_key)
@@ -117,14 +160,20 @@ class GatewayMetrics:
                     *endpoint_key
                 )
             endpoint.inc()
+            tenant = self.tenant_labels(ctx.tenant.name if ctx.tenant is not None else "_unknown")
+            key = (tenant, model, ctx.endpoint.pool)
             if ctx.usage is not None:
-                self._count_tokens(ctx, model, ctx.endpoint.pool, ctx.usage)
+                self._count_tokens(key, ctx.usage)
+            if cost:
+                counter = self._cost.get(key)
+                if counter is None:
+                    counter = self._cost[key] = self.cost.labels(*key)
+                counter.inc(cost)
+            kind = successful_task(ctx)
+            if kind is not None:
+                self.successes.labels(*key, kind).inc()
 
-    def _count_tokens(
-        self, ctx: RequestContext, model: str, pool: str, usage: dict[str, object]
-    ) -> None:
-        # Tenant names come from the config (or "anonymous"), so the label set stays bounded.
-        key = (ctx.tenant.name if ctx.tenant is not None else "_unknown", model, pool)
+    def _count_tokens(self, key: tuple[str, str, str], usage: dict[str, object]) -> None:
         counters = self._tokens.get(key)
         if counters is None:
             counters = self._tokens[key] = tuple(c.labels(*key) for c in self.tokens)
@@ -157,6 +206,17 @@ class GatewayMetrics:
             mark_process_dead(os.getpid())
 
 
+def successful_task(ctx: RequestContext) -> str | None:
+    """`request` for a request answered completely with a 2xx; for a request of a workflow,
+    `workflow` when it is the last step (`n/n`) and None for the steps before it."""
+    if ctx.outcome != "ok" or not 200 <= ctx.status < 300 or not ctx.responded:
+        return None
+    workflow = ctx.options.workflow
+    if workflow is None:
+        return "request"
+    return "workflow" if workflow.step == workflow.total else None
+
+
 class _Views:
     """Scrape-time collectors as one `collect()`; with a pid, every sample carries it, so a
     series always holds one process's values (no false counter resets when successive scrapes
@@ -180,9 +240,10 @@ def _with_pid(sample: Sample, pid: str) -> Sample:
 
 class AdmissionMetrics:
     """The admission controller's observer (`kvgate.chain.admission_ports.AdmissionObserver`);
-    tenant labels are config-bounded names."""
+    tenant labels are config-bounded names, capped like every tenant label."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, tenant_labels: LabelCap) -> None:
+        self.tenant_labels = tenant_labels
         self.queue_lengths = Gauge(
             "kvgate_admission_queue_length",
             "Requests waiting for capacity, by latency class.",
@@ -194,7 +255,7 @@ class AdmissionMetrics:
             "kvgate_admission_wait_seconds",
             "Time spent waiting for capacity, by latency class and how the wait ended.",
             ["class", "result"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=registry,
         )
         self.shed_requests = Counter(
@@ -211,7 +272,7 @@ class AdmissionMetrics:
         )
 
     def quota_rejected(self, tenant: str, limit: str) -> None:
-        self.quota_rejections.labels(tenant, limit).inc()
+        self.quota_rejections.labels(self.tenant_labels(tenant), limit).inc()
 
     def shed(self, latency_class: str, reason: str) -> None:
         self.shed_requests.labels(latency_class, reason).inc()

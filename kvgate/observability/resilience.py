@@ -6,16 +6,15 @@ kvgate's own error codes for retry reasons), so clients cannot grow the label se
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvgate.observability.buckets import LATENCY_BUCKETS
 from kvgate.upstream.breaker import BreakerState
 from kvgate.upstream.resilience import Resilience
-
-_STATE_VALUE = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
 
 
 class ResilienceMetrics:
@@ -70,7 +69,15 @@ class ResilienceMetrics:
             ["pool"],
             registry=registry,
         )
+        self.inter_token = Histogram(
+            "kvgate_inter_token_latency_seconds",
+            "Streams: time between two consecutive chunks relayed to the client.",
+            ["route"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
         self._attempts: dict[tuple[str, str], Counter] = {}
+        self._inter_token: dict[str, Callable[[float], None]] = {}
 
     def breaker_transition(self, endpoint: str, old: str, new: str) -> None:
         self.transitions.labels(endpoint, old, new).inc()
@@ -84,6 +91,12 @@ class ResilienceMetrics:
         if child is None:
             child = self._attempts[(endpoint, result)] = self.attempts.labels(endpoint, result)
         child.inc()
+
+    def token_gap_recorder(self, route: str) -> Callable[[float], None]:
+        recorder = self._inter_token.get(route)
+        if recorder is None:
+            recorder = self._inter_token[route] = self.inter_token.labels(route).observe
+        return recorder
 
     def retry(self, pool: str, reason: str) -> None:
         self.retries.labels(pool, reason).inc()
@@ -101,7 +114,8 @@ class ResilienceMetrics:
 
 
 class BreakerStateCollector(Collector):
-    """`kvgate_breaker_state{endpoint}`: 0 closed, 1 half-open, 2 open, read at scrape time."""
+    """`kvgate_breaker_state{endpoint,state}`: 1 for each endpoint's current state, 0 for the
+    others, read at scrape time."""
 
     def __init__(self, resilience: Resilience) -> None:
         self.resilience = resilience
@@ -109,9 +123,11 @@ class BreakerStateCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         family = GaugeMetricFamily(
             "kvgate_breaker_state",
-            "Circuit breaker state: 0 closed, 1 half-open, 2 open.",
-            labels=["endpoint"],
+            "Circuit breaker state: 1 for the current one of closed, half_open and open.",
+            labels=["endpoint", "state"],
         )
         for breaker in self.resilience.breakers.values():
-            family.add_metric([breaker.name], _STATE_VALUE[breaker.refresh()])
+            current = breaker.refresh()
+            for state in BreakerState:
+                family.add_metric([breaker.name, state.value], 1 if state is current else 0)
         yield family

@@ -98,6 +98,8 @@ class AttemptRelay:
         if record.probe:
             first_token = min(first_token, self.resilience.settings.breaker.probe_timeout)
         ctx.attempts += 1
+        if ctx.sent_at is None:
+            ctx.sent_at = time.perf_counter()
         endpoint.begin_attempt(ctx)
         try:
             if ctx.stream:
@@ -228,11 +230,20 @@ class AttemptRelay:
                     else:
                         await _commit(ctx, send, first)
                     phase = "stall"
+                    record_gap = self.resilience.observer.token_gap_recorder(ctx.route)
+                    relayed_at = time.perf_counter()
                     while not scanner.terminated:
                         timer.reschedule(min(deadline, loop.time() + stall))
+                        events = scanner.data_events
                         out = scanner.feed(await anext(chunks))
                         if transcript is not None and out:
                             out = transcript.shape(out)
+                        # Inter-token latency: a chunk that relays an event other than [DONE]
+                        # (`done` can only have turned True in this chunk).
+                        if scanner.data_events - events > scanner.done:
+                            now = time.perf_counter()
+                            record_gap(now - relayed_at)
+                            relayed_at = now
                         await _send_body(send, out)
                     # Relay anything the engine sends after [DONE] until it closes the stream.
                     await _send_body(send, scanner.flush())

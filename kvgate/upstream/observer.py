@@ -6,6 +6,7 @@ package and unit tests can pass `NULL_OBSERVER`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 
@@ -18,6 +19,10 @@ class ResilienceObserver(Protocol):
 
     def attempt_finished(self, endpoint: str, result: str) -> None:
         """One upstream attempt ended: ok, failure, client_error, overload or released."""
+
+    def token_gap_recorder(self, route: str) -> Callable[[float], None]:
+        """What to call with the seconds between two consecutive chunks relayed to a stream's
+        client on `route` (asked once per stream: the call per chunk must stay cheap)."""
 
     def retry(self, pool: str, reason: str) -> None:
         """A retry was dispatched after an attempt failed with error code `reason`."""
@@ -45,6 +50,9 @@ class NullObserver:
     def attempt_finished(self, endpoint: str, result: str) -> None:
         pass
 
+    def token_gap_recorder(self, route: str) -> Callable[[float], None]:
+        return _ignore_gap
+
     def retry(self, pool: str, reason: str) -> None:
         pass
 
@@ -56,6 +64,10 @@ class NullObserver:
 
     def resumed(self, pool: str, outcome: str, overhead_tokens: int) -> None:
         pass
+
+
+def _ignore_gap(seconds: float) -> None:
+    pass
 
 
 NULL_OBSERVER: ResilienceObserver = NullObserver()
