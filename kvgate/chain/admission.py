@@ -158,8 +158,11 @@ class AdmissionController:
     def _settle(self, reservation: Reservation, ctx: RequestContext) -> None:
         if ctx.endpoint is None:
             self.quotas.release(reservation)
+            used = 0
         else:
-            self.quotas.settle(reservation, _used_tokens(ctx, reservation))
+            used = _used_tokens(ctx, reservation)
+            self.quotas.settle(reservation, used)
+        self.observer.settled(reservation.tenant, reservation.tokens, used)
 
     # --- capacity ---------------------------------------------------------------------------
 

@@ -38,6 +38,10 @@ class AdmissionObserver(Protocol):
     def queue_length(self, latency_class: str, length: int) -> None:
         """The number of requests of a class waiting changed."""
 
+    def settled(self, tenant: str, reserved: int, used: int) -> None:
+        """A request ended: it had reserved `reserved` tokens of its tenant's quota and was
+        charged `used` (0 when it never reached an engine)."""
+
 
 class NoObserver:
     """Reports nowhere (admission without metrics, as in unit tests)."""
@@ -52,4 +56,7 @@ class NoObserver:
         pass
 
     def queue_length(self, latency_class: str, length: int) -> None:
+        pass
+
+    def settled(self, tenant: str, reserved: int, used: int) -> None:
         pass

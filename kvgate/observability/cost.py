@@ -12,8 +12,8 @@ engines processed over the last minute, read from their own counters (prompt tok
 prefix-cache hits, plus generation tokens, summed over the pool's endpoints as the telemetry
 scraper last read them). Every gateway worker and replica reads the same counters, so their
 charges add up to the pool's cost over the minute, idle time included, whoever sent the
-tokens. Until two scrapes a moment apart show tokens processed, the price is unknown and the
-request is charged nothing.
+tokens. Until the counters have been read over at least 5 s and show tokens processed (after
+start, or after an engine restarted), the price is unknown and the request is charged nothing.
 """
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ from kvgate.config import PoolConfig, PriceConfig
 from kvgate.routing.endpoints import Endpoint
 from kvgate.types import RequestContext
 
-# Seconds of engine counters a GPU-hour price is measured over.
+# Seconds of engine counters a GPU-hour price is measured over, and the fewest that give a
+# price: over shorter spans the counters of requests caught half-way through dominate.
 THROUGHPUT_WINDOW = 60.0
+MIN_THROUGHPUT_SPAN = 5.0
 _PER_MTOK = 1e-6
 
 
@@ -69,7 +71,7 @@ class PoolThroughput:
         self.samples: deque[tuple[float, float]] = deque()
 
     def tokens_per_second(self) -> float | None:
-        """None until two samples a moment apart show tokens processed."""
+        """None until samples `MIN_THROUGHPUT_SPAN` apart show tokens processed."""
         sample = self._read()
         if sample is None:
             return None
@@ -83,7 +85,7 @@ class PoolThroughput:
             samples.popleft()
         (start, before), (end, after) = samples[0], samples[-1]
         span = min(end - start, THROUGHPUT_WINDOW)
-        if span <= 0 or after <= before:
+        if span < MIN_THROUGHPUT_SPAN or after <= before:
             return None
         return (after - before) / span
 

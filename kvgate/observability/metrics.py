@@ -251,6 +251,7 @@ class AdmissionMetrics:
             registry=registry,
             multiprocess_mode="livesum",  # the queues of every live worker, added
         )
+        self._quota_tokens: dict[str, tuple[Counter, Counter]] = {}
         self.queue_wait = Histogram(
             "kvgate_admission_wait_seconds",
             "Time spent waiting for capacity, by latency class and how the wait ended.",
@@ -264,12 +265,35 @@ class AdmissionMetrics:
             ["class", "reason"],
             registry=registry,
         )
+        self.reserved_tokens = Counter(
+            "kvgate_quota_reserved_tokens",
+            "Tokens reserved against tenants' tokens_per_minute at admission (estimated prompt "
+            "plus max_tokens), counted when the request ends.",
+            ["tenant"],
+            registry=registry,
+        )
+        self.settled_tokens = Counter(
+            "kvgate_quota_settled_tokens",
+            "Tokens the same requests were finally charged (their usage).",
+            ["tenant"],
+            registry=registry,
+        )
         self.quota_rejections = Counter(
             "kvgate_quota_rejections",
             "Requests refused by a tenant limit (429), by limit.",
             ["tenant", "limit"],
             registry=registry,
         )
+
+    def settled(self, tenant: str, reserved: int, used: int) -> None:
+        label = self.tenant_labels(tenant)
+        counters = self._quota_tokens.get(label)
+        if counters is None:  # once per tenant: `.labels()` is slow
+            counters = (self.reserved_tokens.labels(label), self.settled_tokens.labels(label))
+            self._quota_tokens[label] = counters
+        counters[0].inc(reserved)
+        if used > 0:
+            counters[1].inc(used)
 
     def quota_rejected(self, tenant: str, limit: str) -> None:
         self.quota_rejections.labels(self.tenant_labels(tenant), limit).inc()

@@ -58,7 +58,7 @@ def test_cost_successes_and_access_log_after_known_traffic(start_gateway, caplog
         config["server"]["access_log"] = True
         _, server = start_gateway(config)
         client = sdk_client(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
-        dollars = 0.0
+        dollars, used = 0.0, 0
         # Three plain requests, then a workflow of two steps and one step of an unfinished
         # workflow: four tasks of kind `request`, one of kind `workflow`.
         steps = [None, None, None, ("wf-1", "1/2"), ("wf-1", "2/2"), ("wf-2", "1/3")]
@@ -74,6 +74,7 @@ def test_cost_successes_and_access_log_after_known_traffic(start_gateway, caplog
             ).usage
             assert usage is not None
             dollars += _dollars(usage)
+            used += usage.total_tokens
         stream = client.chat.completions.create(
             model="sim-model",
             max_tokens=5,
@@ -81,11 +82,18 @@ def test_cost_successes_and_access_log_after_known_traffic(start_gateway, caplog
             stream_options={"include_usage": True},
             messages=[{"role": "user", "content": f"{_CONTEXT} a streamed question"}],
         )
-        dollars += _dollars([c.usage for c in stream if c.usage is not None][-1])
+        final = [c.usage for c in stream if c.usage is not None][-1]
+        dollars += _dollars(final)
+        used += final.total_tokens
         text = _wait_for(server.url, "kvgate_cost_dollars_total", dollars, **_LABELS)
     tasks = "kvgate_successful_tasks_total"
     assert sample_value(text, tasks, **_LABELS, kind="request") == 4
     assert sample_value(text, tasks, **_LABELS, kind="workflow") == 1
+    # Quota: every request settled to its usage; each had reserved its prompt estimate plus
+    # max_tokens.
+    assert sample_value(text, "kvgate_quota_settled_tokens_total", tenant="ops") == used
+    reserved = sample_value(text, "kvgate_quota_reserved_tokens_total", tenant="ops")
+    assert reserved is not None and reserved >= 7 * 5
     logged = [r.__dict__[FIELDS] for r in caplog.records if r.name == "kvgate.access"]
     assert len(logged) == 7
     assert sum(line["cost_dollars"] for line in logged) == pytest.approx(dollars, rel=1e-9)
