@@ -82,6 +82,7 @@ class RoutingCollector(Collector):
             drained.add_metric([name], 1 if endpoint.drained else 0)
         yield from (entries, capacity, evictions, prefill, decoding, stale, saturated)
         yield from (inflight, healthy, drained)
+        yield from self._engine_telemetry()
         predicted = CounterMetricFamily(
             "kvgate_prefix_predicted_tokens",
             "Prompt tokens the prefix index predicted the chosen endpoint held, over answers "
@@ -115,3 +116,23 @@ class RoutingCollector(Collector):
             "Sessions with a remembered endpoint.",
             value=len(self.services.affinity),
         )
+
+    def _engine_telemetry(self) -> Iterator[Metric]:
+        """What each engine last reported, while fresh (stale telemetry has no sample)."""
+        mirrors = (
+            ("kvgate_engine_running_requests", "Requests the engine reports running.", "running"),
+            ("kvgate_engine_waiting_requests", "Requests the engine reports queued.", "waiting"),
+            (
+                "kvgate_engine_kv_cache_usage_ratio",
+                "Share of the engine's KV cache in use (0 to 1), as it reports it.",
+                "kv_usage",
+            ),
+        )
+        families = [GaugeMetricFamily(name, text, labels=["endpoint"]) for name, text, _ in mirrors]
+        for endpoint in self.fleet.endpoints:
+            telemetry = endpoint.fresh_telemetry
+            if telemetry is None:
+                continue
+            for family, (_, _, signal) in zip(families, mirrors, strict=True):
+                family.add_metric([endpoint.name], getattr(telemetry, signal))
+        yield from families
