@@ -52,7 +52,10 @@ def test_dashboard_is_valid_and_queries_only_exported_metrics():
     exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
     assert _unknown(exprs) == set()
     titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
-    for topic in ("first token", "goodput", "queue", "breaker", "prefix hit", "drift", "kv"):
+    for topic in (
+        "first token", "inter-token", "goodput", "per dollar", "cost by tenant", "queue",
+        "breaker", "prefix hit", "drift", "kv",
+    ):  # fmt: skip
         assert topic in titles
 
 
