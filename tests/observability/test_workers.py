@@ -10,9 +10,11 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.sim import EngineOptions, SimFleet
+from tests.metrics_text import sample_value
 from tests.observability.serving import (
     ADMIN_KEY,
     KEY,
@@ -137,6 +139,30 @@ def test_every_worker_writes_one_json_access_line_per_request(tmp_path, redis):
         assert line["ttft_ms"] > 0 and line["duration_ms"] >= line["ttft_ms"]
         assert line["usage"]["prompt_tokens"] > 0 and line["usage"]["completion_tokens"] > 0
     assert PROMPT not in text and "kestrel" not in text and SECRET not in text
+
+
+def test_cost_successes_and_capped_labels_add_up_over_workers(tmp_path, redis):
+    """Two workers, each capping labels and pricing alike: one scrape's cost is the sum of
+    every worker's access-log costs, and every request is one successful task."""
+    with SimFleet.in_thread(engines=2, options=EngineOptions(profile="fast")) as fleet:
+        port = free_port()
+        config = write_config(tmp_path / "gw.yaml", fleet.urls, port, redis_url=redis.url)
+        data = yaml.safe_load(config.read_text())
+        data["pools"][0]["price"] = {"input_per_mtok": 3.0, "output_per_mtok": 15.0}
+        data["observability"] = {"max_label_values": 1}
+        config.write_text(yaml.safe_dump(data))
+        with Serve(config, port, 2) as gateway:
+            answers = _send_until_spread(gateway, 2, stream=True)
+            requests = len(answers)
+            assert [r.status_code for r in answers] == [200] * requests
+            _wait_settled(gateway, requests)
+            logged = sum(line["cost_dollars"] for line in _access(gateway))
+            with httpx.Client(timeout=10) as client:
+                text = client.get(gateway.base + "/metrics").text
+    labels = {"tenant": "ops", "model": "sim-model", "pool": "sim"}
+    assert sample_value(text, "kvgate_cost_dollars_total", **labels) == pytest.approx(logged)
+    tasks = sample_value(text, "kvgate_successful_tasks_total", **labels, kind="request")
+    assert tasks == requests
 
 
 def _messages(gateway: Serve) -> list[str]:
