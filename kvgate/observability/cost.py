@@ -13,7 +13,8 @@ prefix-cache hits, plus generation tokens, summed over the pool's endpoints as t
 scraper last read them). Every gateway worker and replica reads the same counters, so their
 charges add up to the pool's cost over the minute, idle time included, whoever sent the
 tokens. Until the counters have been read over at least 5 s and show tokens processed (after
-start, or after an engine restarted), the price is unknown and the request is charged nothing.
+start, and after one of the pool's engines was first scraped, vanished or restarted), the price
+is unknown and the request is charged nothing.
 """
 
 from __future__ import annotations
@@ -69,15 +70,19 @@ class PoolThroughput:
     def __init__(self, endpoints: Sequence[Endpoint]) -> None:
         self.endpoints = endpoints
         self.samples: deque[tuple[float, float]] = deque()
+        # Endpoints whose counters the samples add up: when one joins (its first scrape) or
+        # leaves, the sums are not comparable and the measurement starts over.
+        self.counted = 0
 
     def tokens_per_second(self) -> float | None:
         """None until samples `MIN_THROUGHPUT_SPAN` apart show tokens processed."""
-        sample = self._read()
+        sample, counted = self._read()
         if sample is None:
             return None
         samples = self.samples
-        if samples and sample[1] < samples[-1][1]:
-            samples.clear()  # an engine restarted (its counters began again) or left
+        if counted != self.counted or (samples and sample[1] < samples[-1][1]):
+            samples.clear()  # an engine joined, left or restarted (its counters began again)
+            self.counted = counted
         if not samples or sample[0] > samples[-1][0]:
             samples.append(sample)
         # Keep the newest sample at or before the window's start as its baseline.
@@ -89,18 +94,20 @@ class PoolThroughput:
             return None
         return (after - before) / span
 
-    def _read(self) -> tuple[float, float] | None:
-        scraped_at, processed = None, 0.0
+    def _read(self) -> tuple[tuple[float, float] | None, int]:
+        """(newest scrape time, tokens processed) over the endpoints scraped, and how many."""
+        scraped_at, processed, counted = None, 0.0, 0
         for endpoint in self.endpoints:
             telemetry = endpoint.telemetry
             if telemetry is None:
                 continue
+            counted += 1
             processed += (
                 telemetry.prompt_tokens - telemetry.prefix_hits + telemetry.generation_tokens
             )
             if scraped_at is None or telemetry.scraped_at > scraped_at:
                 scraped_at = telemetry.scraped_at
-        return None if scraped_at is None else (scraped_at, processed)
+        return (None if scraped_at is None else (scraped_at, processed)), counted
 
 
 class PoolPrice:

@@ -116,6 +116,7 @@ class GatewayMetrics:
         self._endpoint_requests: dict[tuple[str, str], Counter] = {}
         self._tokens: dict[tuple[str, str, str], tuple[Counter, ...]] = {}
         self._cost: dict[tuple[str, str, str], Counter] = {}
+        self._successes: dict[tuple[str, str, str, str], Counter] = {}
 
     def configure(self, config: Config) -> None:
         """Take the label cap and the names that get the first places from `config`."""
@@ -171,7 +172,11 @@ class GatewayMetrics:
                 counter.inc(cost)
             kind = successful_task(ctx)
             if kind is not None:
-                self.successes.labels(*key, kind).inc()
+                success_key = (*key, kind)
+                successes = self._successes.get(success_key)
+                if successes is None:
+                    successes = self._successes[success_key] = self.successes.labels(*success_key)
+                successes.inc()
 
     def _count_tokens(self, key: tuple[str, str, str], usage: dict[str, object]) -> None:
         counters = self._tokens.get(key)

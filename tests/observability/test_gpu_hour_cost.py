@@ -40,13 +40,17 @@ def test_a_token_costs_the_pool_per_second_over_its_measured_tokens_per_second()
     a, b = _endpoint("a"), _endpoint("b")
     price = PoolPrice(PriceConfig(**_PRICE), [a, b])
     tokens = ChargedTokens(input=600, cached=5000, output=400)
-    _scrape(a, 100.0, 0, 0, 0)
+    _scrape(a, 90.0, 0, 0, 0)
     assert price.dollars(tokens) is None  # one sample: no rate yet
+    # b's first scrape: what it counted since it started is no work of this minute.
+    _scrape(b, 100.0, 50_000, 0, 50_000)
+    _scrape(a, 100.0, 0, 0, 0)
+    assert price.dollars(tokens) is None
     _scrape(a, 100.0 + MIN_THROUGHPUT_SPAN / 2, 10, 0, 10)
     assert price.dollars(tokens) is None  # too short a span to trust
     # 10 s later the two engines processed 900 + 100 uncached prompt tokens and 1000 output.
     _scrape(a, 110.0, 1000, 100, 600)
-    _scrape(b, 109.0, 100, 0, 400)
+    _scrape(b, 109.0, 50_100, 0, 50_400)
     # 2000 tokens in 10 s: 200 tokens/s, so 1000 charged tokens are 5 s of the pool.
     assert price.dollars(tokens) == pytest.approx(5 * 0.002)
     # A minute later, the rate is that of the last minute only: 12000 tokens in 60 s.
