@@ -106,6 +106,14 @@ class RoutingCollector(Collector):
             corrections.add_metric([name, "over"], drift.over)
             corrections.add_metric([name, "under"], drift.under)
         yield from (predicted, cached, corrections)
+        decisions = CounterMetricFamily(
+            "kvgate_routing_decisions",
+            "Endpoints chosen by routing (retries' choices included), by policy.",
+            labels=["endpoint", "policy"],
+        )
+        for (name, policy), count in self.services.decisions.items():
+            decisions.add_metric([name, policy], count)
+        yield decisions
         yield GaugeMetricFamily(
             "kvgate_prefix_index_memory_bytes",
             "Estimated memory held by the prefix index.",

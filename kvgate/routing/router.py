@@ -178,6 +178,8 @@ class PolicyPicker:
         )
         chosen = available[profile.picker(ctx, available, scores)].endpoint
         self._record(ctx, chosen)
+        decisions, key = self.services.decisions, (chosen.name, self.policy.name)
+        decisions[key] = decisions.get(key, 0) + 1
         if self.services.explain_allowed(ctx):
             ctx.response_headers.append(
                 (

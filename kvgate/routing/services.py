@@ -31,6 +31,8 @@ class RoutingServices:
     max_candidates: int = 0
     rng: random.Random = field(default_factory=random.Random)
     feedback: CacheFeedback = field(init=False)
+    # Endpoints chosen in this process (retries' choices included), by (endpoint, policy).
+    decisions: dict[tuple[str, str], int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.feedback = CacheFeedback(self.index, self.hasher.max_blocks)
