@@ -3,11 +3,12 @@
 An endpoint remains when the new config has an endpoint with the same URL in a pool of the same
 name (its name, `{pool}-{index}`, may change when endpoints are added or removed before it); a
 tenant remains when a tenant of the same name is configured. For those, the new app takes over
-the prefix index's entries, session affinity, drift counters, circuit breakers, drained flags
-and the last telemetry, and (with in-memory state) the quota buckets and concurrency counts, open
-reservations included. Tables and breakers move rather than being copied, so requests begun
-before the reload, which finish on the old app, still report into them. Everything of the
-endpoints and tenants that are gone stays with the old app and goes when it is shut down.
+the prefix index's entries, session affinity, drift counters, routing decision counts, circuit
+breakers, drained flags and the last telemetry, and (with in-memory state) the quota buckets and
+concurrency counts, open reservations included. Tables and breakers move rather than being
+copied, so requests begun before the reload, which finish on the old app, still report into
+them. Everything of the endpoints and tenants that are gone stays with the old app and goes when
+it is shut down.
 
 With Redis state the quota buckets live in Redis and carry over by themselves.
 """
@@ -45,6 +46,11 @@ def carry_over(old: GatewayApp, new: GatewayApp) -> None:
         drift = old.routing.feedback.drift.get(endpoint.name)
         if drift is not None:
             new.routing.feedback.drift[successor.name] = drift
+    decisions = new.routing.decisions
+    for (name, policy), count in old.routing.decisions.items():
+        if name in names:
+            key = (names[name], policy)
+            decisions[key] = decisions.get(key, 0) + count
     new.routing.index.adopt(old.routing.index, names)
     new.routing.affinity.adopt(old.routing.affinity, names)
     new.resilience.adopt(old.resilience, names)

@@ -13,6 +13,7 @@ import pytest
 from kvgate.hot_reload import ReloadableGateway
 from kvgate.sim import EngineOptions, SimFleet
 from kvgate.sim.faults import Fault
+from tests.metrics_text import sample_value
 from tests.observability.serving import KEY
 from tests.observability.test_admin_api import ADMIN, config_dict, endpoints, write
 from tests.servers import ServerThread
@@ -64,6 +65,16 @@ def test_the_prefix_index_survives_a_reload_that_renames_every_endpoint(tmp_path
         listed = endpoints(server.url)
         by_url = {e["url"]: e for e in listed.values()}
         assert by_url[newcomer]["name"] == "sim-0"
+        # The routing decisions made so far moved to the endpoints' new names.
+        text = httpx.get(server.url + "/metrics", timeout=5).text
+        decisions = {
+            name: sample_value(
+                text, "kvgate_routing_decisions_total", endpoint=name, policy="kvgate"
+            )
+            for name in ("sim-0", "sim-1", "sim-2")
+        }
+        assert decisions["sim-0"] is None
+        assert (decisions["sim-1"] or 0) + (decisions["sim-2"] or 0) == len(PROMPTS)
         assert by_url[newcomer]["prefix_index"]["blocks"] == 0
         for url in set(holders):
             assert by_url[url]["prefix_index"]["blocks"] > 0
