@@ -107,16 +107,21 @@ class LeastLoadedPicker:
 
 class MaxScoreParams(NoParams):
     """`tie_margin`: scores within this of the best are near ties, decided by power of two
-    choices on load. Imbalance gate (SGLang's cache-aware router does the same): when the most
-    loaded candidate has more than `imbalance_abs` requests above the least loaded one and more
-    than `imbalance_rel` times its load, scores are ignored and the least loaded one wins.
+    choices on load. Imbalance gate (after SGLang's cache-aware router): a candidate carrying
+    more than `imbalance_abs` requests above the least loaded one and more than
+    `imbalance_rel` times its load is overloaded and is not picked; the others are picked by
+    score as usual.
 
     The gate is what stops a sticky placement (a session, a hot prefix) from overloading one
     engine: a loaded engine's queue grows faster than its queued prefill tokens show, because
-    its requests wait for batch slots and KV, not only for prefill. Defaults 16 and 1.25 were
-    chosen on the routing benchmark (engines of 64 sequences): 32 and 1.5 let one engine in
-    four collapse in some runs of the sessions workload; raise `imbalance_abs` for engines
-    that batch many more sequences."""
+    its requests wait for batch slots and KV, not only for prefill. It removes the overloaded
+    holder rather than ignoring scores, so a prefix group that spills off its holder moves as
+    a group: the first spilled request goes to the best other candidate, which then holds the
+    prefix and outscores the rest for the group's next requests (SGLang's gate instead sends
+    every request to the least loaded worker while it holds, scattering the group).
+    Defaults 16 and 1.25 were chosen on the routing benchmark (engines of 64 sequences): 32
+    and 1.5 let one engine in four collapse in some runs of the sessions workload; raise
+    `imbalance_abs` for engines that batch many more sequences."""
 
     tie_margin: float = Field(0.02, ge=0, le=1)
     imbalance_abs: float = Field(16, ge=0)
@@ -132,10 +137,16 @@ class MaxScorePicker:
         self.params = params or self.Params()
         self._rng = random.Random(self.params.seed)
 
-    def imbalanced(self, loads: Sequence[float]) -> bool:
-        low, high = min(loads), max(loads)
+    def not_overloaded(self, loads: Sequence[float]) -> list[int]:
+        """Indices of the candidates the imbalance gate lets through (never empty: the least
+        loaded always passes)."""
+        low = min(loads)
         p = self.params
-        return high - low > p.imbalance_abs and high > p.imbalance_rel * low
+        return [
+            i
+            for i, load in enumerate(loads)
+            if load - low <= p.imbalance_abs or load <= p.imbalance_rel * low
+        ]
 
     def __call__(
         self,
@@ -144,10 +155,11 @@ class MaxScorePicker:
         scores: Sequence[float] | None,
     ) -> int:
         loads = [c.requests for c in candidates]
-        if scores is None or self.imbalanced(loads):
+        if scores is None:
             return least_loaded(self._rng, loads)
-        best = max(scores)
-        ties = [i for i, s in enumerate(scores) if s >= best - self.params.tie_margin]
+        eligible = self.not_overloaded(loads)
+        best = max(scores[i] for i in eligible)
+        ties = [i for i in eligible if scores[i] >= best - self.params.tie_margin]
         if len(ties) == 1:
             return ties[0]
         first, second = self._rng.sample(ties, 2)

@@ -214,7 +214,8 @@ def _explain(
 ) -> bytes:
     """Every term of the decision, per candidate: its score and each scorer's value, and the
     inputs of the predicted time to first token (held prompt blocks, uncached tokens, prefill
-    tokens queued there, decoding sequences, the engine's waiting requests)."""
+    tokens queued there, decoding sequences, the engine's waiting requests) and the load the
+    picker's imbalance gate compares."""
     names = [s.NAME for s, _ in profile.scorers]
     prefix = ctx.prefix
     parts = [f"policy={policy}; rule={rule}; objective={profile.objective}"]
@@ -234,6 +235,7 @@ def _explain(
         fields.append(f"decoding={candidate.active_sequences:.0f}")
         fields.append(f"waiting={candidate.waiting:.0f}")
         fields.append(f"inflight={candidate.inflight}")
+        fields.append(f"load={candidate.requests:.0f}")
         parts.append(" ".join(fields))
     return "; ".join(parts).encode("ascii", "replace")
 

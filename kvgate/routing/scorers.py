@@ -101,12 +101,19 @@ class PredictedTtftParams(NoParams):
     """`decode_token_weight`: prefill tokens one decoding sequence costs a new request's first
     step (step time per sequence ÷ prefill time per token, ≈ 2 on an 8B model);
     `base_tokens`: the fixed cost of one engine step in prefill tokens (≈ 15 ms ÷ 0.1 ms);
-    `miss_weight`: what one prompt token the endpoint does not hold costs, in prefill tokens.
-    Above 1 it prices what a cold prefill does to everyone else: the engine spends the compute
-    (1) and the new blocks push out cached prefixes that later requests would reuse (≈ 1 more).
-    At 1 the cost is this request's own time to first token alone, and under load a group moves
-    off its prefix holder as soon as the queue there outgrows one cold prefill elsewhere: every
-    engine ends up prefilling every prefix (measured in benchmarks/RESULTS.md)."""
+    `miss_weight`: what one prompt token the endpoint does not hold costs, in prefill tokens,
+    before the delay it adds to others (below). Above 1 it prices what a cold prefill does to
+    later requests: the engine spends the compute (1) and the new blocks push out cached
+    prefixes that later requests would reuse (≈ 1 more). At 1 the cost is this request's own
+    time to first token alone, and under load a group moves off its prefix holder as soon as
+    the queue there outgrows one cold prefill elsewhere: every engine ends up prefilling every
+    prefix (measured in benchmarks/RESULTS.md).
+
+    Each uncached token also delays every request that queues behind it on that engine; the
+    requests waiting there now stand for those (a steady queue refills as fast as it drains),
+    so a miss costs `miss_weight` + the endpoint's queued requests per token. An idle engine
+    takes a spilled prefix for the price of its compute; a busy one only when the holder's
+    queue outweighs the delay the recompute would spread over the busy engine's queue."""
 
     decode_token_weight: float = Field(2.0, ge=0)
     base_tokens: float = Field(150.0, gt=0)
@@ -116,9 +123,9 @@ class PredictedTtftParams(NoParams):
 def predicted_cost_tokens(
     ctx: RequestContext, candidates: Sequence[EndpointLoad], params: PredictedTtftParams
 ) -> list[float]:
-    """Predicted time to first token per candidate in prefill-token units: the fixed step
-    cost, the prompt tokens not cached there (times `miss_weight`), the prefill work queued
-    ahead and the decoding sequences."""
+    """Predicted cost per candidate in prefill-token units: the fixed step cost, the prompt
+    tokens not cached there (times `miss_weight` plus the requests queued there), the prefill
+    work queued ahead and the decoding sequences."""
     prefix = ctx.prefix
     base, per_sequence = params.base_tokens, params.decode_token_weight
     if prefix is None:
@@ -126,7 +133,7 @@ def predicted_cost_tokens(
     uncached = prefix.uncached_by_endpoint([c.name for c in candidates])
     miss = params.miss_weight
     return [
-        base + miss * u + c.queued_tokens + per_sequence * c.active_sequences
+        base + (miss + c.queued_requests) * u + c.queued_tokens + per_sequence * c.active_sequences
         for c, u in zip(candidates, uncached, strict=True)
     ]
 

@@ -206,6 +206,18 @@ SCORER_CASES = [
         [0.5, 1.0],
     ),
     (
+        "predicted_ttft: a miss costs more per request queued where it would be computed",
+        scorers.PredictedTtftScorer(
+            scorers.PredictedTtftScorer.Params(base_tokens=64, decode_token_weight=0, miss_weight=1)
+        ),
+        lambda: [
+            endpoint("a", prefill_tokens=200, prefill_requests=3),
+            endpoint("b", prefill_requests=3),
+        ],
+        _prefix({"a": 4, "b": 0}, prompt_tokens=64),
+        [1.0, 264 / 320],
+    ),
+    (
         "endpoint_cost",
         scorers.EndpointCostScorer(),
         lambda: [

@@ -57,13 +57,25 @@ def test_queued_work_outweighs_a_cache_hit():
     assert picker.choose(ctx(SYSTEM + "q2")) is not first
 
 
-def test_imbalance_gate_sends_to_least_loaded():
+def test_imbalance_gate_takes_an_overloaded_holder_out():
     a, b = endpoint("a"), endpoint("b")
     picker, _ = _picker(a, b)
     first = picker.choose(ctx(SYSTEM + "q"))
     first.inflight = 40
     first.decoding = 0
     assert picker.choose(ctx(SYSTEM + "q2")) is not first
+
+
+def test_a_group_spilled_off_an_overloaded_holder_moves_to_one_new_holder():
+    endpoints = [endpoint(name) for name in "abcde"]
+    picker, _ = _picker(*endpoints)
+    holder = picker.choose(ctx(SYSTEM + "q"))
+    holder.inflight = 40  # over the gate: 16 more than the others and 1.25x their load
+    new_holder = picker.choose(ctx(SYSTEM + "q1"))
+    assert new_holder is not holder
+    assert all(picker.choose(ctx(SYSTEM + f"q{i}")) is new_holder for i in range(2, 12))
+    holder.inflight = 0  # recovered: the group may use both holders, never the others
+    assert {picker.choose(ctx(SYSTEM + f"r{i}")) for i in range(20)} <= {holder, new_holder}
 
 
 def test_session_affinity_from_user_field_and_headers():
