@@ -245,6 +245,7 @@ def run_cell(args: argparse.Namespace, router: str, plans: list[Planned]) -> dic
             with sim_fleet(args, lag_file) as urls, front(router, urls, workdir) as base:
                 results, elapsed = asyncio.run(replay(base, plans))
                 engine_stats = [httpx.get(u + "/sim/stats").json() for u in urls]
+                drift = index_drift(base) if router != peer_router.NAME else math.nan
         except peer_router.PeerUnavailable as exc:
             return {"unavailable": str(exc)}
         lag = json.loads(lag_file.read_text()) if lag_file.exists() else {}
@@ -269,8 +270,23 @@ def run_cell(args: argparse.Namespace, router: str, plans: list[Planned]) -> dic
         "max_over_mean_load": max(loads) / statistics.mean(loads) if any(loads) else math.nan,
         "loads": loads,
         "sim_lag_p99_ms": lag.get("p99_ms", math.nan),
+        "index_drift": drift,
         "elapsed": elapsed,
     }
+
+
+def index_drift(base: str) -> float:
+    """kvgate's prefix-index drift over the run, from its /metrics: (predicted - cached
+    tokens) ÷ predicted, summed over endpoints; NaN when nothing was predicted (a policy
+    that does not route by prefix)."""
+    totals = {"kvgate_prefix_predicted_tokens_total": 0.0, "kvgate_prefix_cached_tokens_total": 0.0}
+    for line in httpx.get(base + "/metrics").text.splitlines():
+        name = line.split("{", 1)[0]
+        if name in totals:
+            totals[name] += float(line.rsplit(" ", 1)[1])
+    predicted = totals["kvgate_prefix_predicted_tokens_total"]
+    cached = totals["kvgate_prefix_cached_tokens_total"]
+    return (predicted - cached) / predicted if predicted else math.nan
 
 
 def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -418,7 +434,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--routers",
         default="round_robin,least_loaded,kvgate,sglang",
-        help=f"of {','.join(ROUTERS)}",
+        help=f"of {','.join(ROUTERS)}, or a kvgate policy file (.yaml)",
     )
     p.add_argument("--loads", default="light,3x,10x", help="of light,3x,10x")
     p.add_argument(
@@ -455,8 +471,13 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     for name, known in (("workloads", WORKLOADS), ("routers", ROUTERS), ("loads", LOADS)):
         unknown = set(getattr(args, name).split(",")) - set(known)
+        if name == "routers":  # a kvgate policy file is a router too
+            unknown = {r for r in unknown if not (r.endswith(".yaml") and Path(r).is_file())}
         if unknown:
             p.error(f"--{name}: unknown {', '.join(sorted(unknown))}")
+    args.routers = ",".join(
+        str(Path(r).resolve()) if r.endswith(".yaml") else r for r in args.routers.split(",")
+    )
     return args
 
 

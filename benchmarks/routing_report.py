@@ -39,6 +39,10 @@ def _fmt(value: float | None, digits: int = 2) -> str:
     return f"{value:.{digits}f}"
 
 
+def _pct(value: float) -> str:
+    return "n/a" if math.isnan(value) else f"{value:+.1%}"
+
+
 def progress(row: Row) -> str:
     """One line per finished cell."""
     head = f"{row.workload} {row.load} ({row.rate:g} req/s) {row.router}:"
@@ -70,7 +74,7 @@ def workload_table(rows: list[Row]) -> str:
     routers = list(dict.fromkeys(r.router for r in rows))
     loads = list(dict.fromkeys((r.load, r.rate) for r in rows))
     by = {(r.load, r.router): r for r in rows}
-    names = [COLUMN_NAMES.get(router, router) for router in routers]
+    names = [COLUMN_NAMES.get(router, Path(router).stem) for router in routers]
     lines = [
         "| load | req/s | ideal: infinite | ideal: fleet LRU | " + " | ".join(names) + " |",
         "|---|---|---|---|" + "---|" * len(routers),
@@ -88,8 +92,8 @@ def workload_table(rows: list[Row]) -> str:
 def details_table(rows: list[Row]) -> str:
     lines = [
         "| load | router | n | failed (kinds) | TTFT p99 s | output tok/s | hit (engine) "
-        "| requests per engine | max/mean | sim lag p99 ms |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| requests per engine | max/mean | index drift | sim lag p99 ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if not row.ran:
@@ -101,7 +105,8 @@ def details_table(rows: list[Row]) -> str:
             f"{f' ({kinds})' if kinds else ''} | {_fmt(s['ttft_p99'])} "
             f"| {_fmt(s['output_tok_s'], 0)} | {_fmt(s['hit_engine'])} "
             f"| {'/'.join(str(round(n)) for n in s['loads'])} "
-            f"| {_fmt(s['max_over_mean_load'])} | {_fmt(s['sim_lag_p99_ms'], 0)} |"
+            f"| {_fmt(s['max_over_mean_load'])} | {_pct(s.get('index_drift', math.nan))} "
+            f"| {_fmt(s['sim_lag_p99_ms'], 0)} |"
         )
     return "\n".join(lines)
 
@@ -138,10 +143,12 @@ def targets(rows: list[Row]) -> list[str]:
         out.append(f"{load}: " + "; ".join(checks))
     for row in rows:
         if row.router == "kvgate" and row.ran:
+            drift = row.stats.get("index_drift", math.nan)
             out.append(
                 f"{row.load}: kvgate hit {row.hit_of_lru:.0%} of the fleet-LRU ideal "
                 f"({_verdict(row.hit_of_lru >= 0.9)} ≥ 90%), {row.stats['failed']} failed "
-                f"({_verdict(row.stats['failed'] == 0)} zero)"
+                f"({_verdict(row.stats['failed'] == 0)} zero), index drift {_pct(drift)} of "
+                f"predicted tokens ({_verdict(not drift > 0.05)} ≤ 5%)"
             )
     return [f"- {line}" for line in out]
 

@@ -111,29 +111,35 @@ class PredictedTtftParams(NoParams):
 
     Each uncached token also delays every request that queues behind it on that engine; the
     requests waiting there now stand for those (a steady queue refills as fast as it drains),
-    so a miss costs `miss_weight` + the endpoint's queued requests per token. An idle engine
-    takes a spilled prefix for the price of its compute; a busy one only when the holder's
-    queue outweighs the delay the recompute would spread over the busy engine's queue."""
+    so a miss costs `miss_weight` + `queue_miss_weight` times the endpoint's queued requests per
+    token (1: each of them is delayed by the whole recompute; 0: the cost above alone). An
+    idle engine takes a spilled prefix for the price of its compute; a busy one only when the
+    holder's queue outweighs the delay the recompute would spread over the busy engine's
+    queue."""
 
     decode_token_weight: float = Field(2.0, ge=0)
     base_tokens: float = Field(150.0, gt=0)
     miss_weight: float = Field(2.0, ge=1)
+    queue_miss_weight: float = Field(1.0, ge=0)
 
 
 def predicted_cost_tokens(
     ctx: RequestContext, candidates: Sequence[EndpointLoad], params: PredictedTtftParams
 ) -> list[float]:
     """Predicted cost per candidate in prefill-token units: the fixed step cost, the prompt
-    tokens not cached there (times `miss_weight` plus the requests queued there), the prefill
-    work queued ahead and the decoding sequences."""
+    tokens not cached there (times `miss_weight` plus `queue_miss_weight` per request queued
+    there), the prefill work queued ahead and the decoding sequences."""
     prefix = ctx.prefix
     base, per_sequence = params.base_tokens, params.decode_token_weight
     if prefix is None:
         return [base + c.queued_tokens + per_sequence * c.active_sequences for c in candidates]
     uncached = prefix.uncached_by_endpoint([c.name for c in candidates])
-    miss = params.miss_weight
+    miss, per_queued = params.miss_weight, params.queue_miss_weight
     return [
-        base + (miss + c.queued_requests) * u + c.queued_tokens + per_sequence * c.active_sequences
+        base
+        + (miss + per_queued * c.queued_requests) * u
+        + c.queued_tokens
+        + per_sequence * c.active_sequences
         for c, u in zip(candidates, uncached, strict=True)
     ]
 
