@@ -20,7 +20,9 @@ Differences within a tolerance are not evidence: the engine caches whole blocks 
 tokens under its chat template, the index blocks of characters, so one engine block, one index
 block and the drift target (5% of the prediction) are allowed either way.
 
-Per endpoint the predicted and the cached tokens are counted; their gap is the index's drift
+Only the span of the prompt the index hashes (its first `max_blocks` blocks) is compared: the
+engine holding more of a long prompt than that is not drift. Per endpoint the predicted and
+the cached tokens within that span are counted; their gap is the index's drift
 (`kvgate_prefix_predicted_tokens_total`, `kvgate_prefix_cached_tokens_total`).
 """
 
@@ -89,11 +91,16 @@ class CacheFeedback:
         prompt = ctx.usage.get("prompt_tokens")
         name = endpoint.name
         per_block = prefix.tokens_per_block
-        predicted = min(prefix.prompt_tokens, int(prefix.matched.get(name, 0) * per_block))
+        # The index sees only the prompt's first `max_blocks` blocks: an engine holding more of
+        # a long prompt is right, not the index wrong, so only that span is compared.
+        covered = min(prefix.prompt_tokens, int(len(prefix.hashes) * per_block))
+        predicted = min(covered, int(prefix.matched.get(name, 0) * per_block))
         if isinstance(prompt, int) and prefix.prompt_tokens:
             # The index's share of the prompt, in the engine's own tokens: the character-based
             # estimate's error is not the index's.
             predicted = round(prompt * predicted / prefix.prompt_tokens)
+            covered = round(prompt * covered / prefix.prompt_tokens)
+        cached = min(cached, covered)
         drift = self.drift.get(name)
         if drift is None:
             drift = self.drift[name] = EndpointDrift()

@@ -86,11 +86,19 @@ def _feedback(capacity: int = 1000) -> tuple[PrefixIndex, CacheFeedback, PrefixH
     return index, CacheFeedback(index, min_capacity=4), PrefixHasher(block_chars=64)
 
 
-def _answered(index: PrefixIndex, hasher: PrefixHasher, text: str, endpoint: Endpoint, cached: int):
+def _answered(
+    index: PrefixIndex,
+    hasher: PrefixHasher,
+    text: str,
+    endpoint: Endpoint,
+    cached: int,
+    prompt_tokens: int | None = None,
+):
     """A request for `text` routed to `endpoint` as the picker does, answered with `cached`."""
     ctx = request_context("chat", {"model": "m", "messages": [{"role": "user", "content": text}]})
     hashes = hasher.chain(ctx.view.canonical, "m")
-    match = PrefixMatch(hashes, len(hashes) * 16, 16.0, index.match(hashes))
+    tokens = len(hashes) * 16 if prompt_tokens is None else prompt_tokens
+    match = PrefixMatch(hashes, tokens, 16.0, index.match(hashes))
     if match.matched.get(endpoint.name):
         touched = index.deepest_touch(endpoint.name, hashes)
         assert touched is not None
@@ -135,6 +143,22 @@ def test_the_engine_had_more_than_predicted_grows_the_capacity_up_to_its_kv_size
     assert index.capacity("e") == 140
     feedback.observe(_answered(index, hasher, "y" * 64 * 40, e, cached=40 * 16))
     assert index.capacity("e") == 150  # never beyond the engine's reported KV size
+
+
+def test_cached_tokens_beyond_the_hashed_span_are_not_drift():
+    index = PrefixIndex(default_capacity=1000)
+    index.add_endpoints(["e"])
+    feedback = CacheFeedback(index, min_capacity=4)
+    hasher = PrefixHasher(block_chars=64, max_blocks=8)  # the index sees 8 blocks, 128 tokens
+    e = endpoint("e")
+    long_prompt = "l" * 64 * 40
+    feedback.observe(_answered(index, hasher, long_prompt, e, cached=0, prompt_tokens=640))
+    # The engine holds the whole prompt; the index predicted all it can see of it.
+    feedback.observe(_answered(index, hasher, long_prompt, e, cached=640, prompt_tokens=640))
+    drift = feedback.drift["e"]
+    assert drift.under == drift.over == 0
+    assert drift.predicted_tokens == drift.cached_tokens == 128
+    assert index.capacity("e") == 1000
 
 
 def test_a_prediction_within_the_tolerance_changes_nothing():
