@@ -69,7 +69,9 @@ async def run_demo(host: str, port: int, log_level: str, log_format: str) -> Non
     async with SimFleet(engines=DEMO_ENGINES, base_port=0, options=options) as fleet:
         config = demo_config(list(fleet.urls), bound)
         app = GatewayApp(config)
-        server_options = uvicorn_options(host, bound, log_level, log_format)
+        server_options = uvicorn_options(
+            host, bound, log_level, log_format, keepalive=config.server.keepalive_timeout
+        )
         server = uvicorn.Server(uvicorn.Config(app, **server_options))
         shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         print(

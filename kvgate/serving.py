@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from kvgate.config import KEEPALIVE_SECONDS
 from kvgate.http_server import HeaderDeadlineProtocol
 from kvgate.observability.log_format import logging_config
 
@@ -17,7 +18,7 @@ def uvicorn_options(
     port: int,
     log_level: str,
     log_format: str,
-    keepalive: float = 5.0,
+    keepalive: float = KEEPALIVE_SECONDS,
     drain_seconds: float = 5,
 ) -> dict[str, Any]:
     """The server options of every way kvgate runs uvicorn (one process or several);

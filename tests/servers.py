@@ -15,21 +15,20 @@ class ServerThread:
     """Serve `app` with uvicorn (httptools, lifespan on) on 127.0.0.1 and a free port, in a
     thread with its own event loop. `url` is ready once the context manager is entered."""
 
-    def __init__(self, app: Any, lifespan: str = "on") -> None:
+    def __init__(self, app: Any, lifespan: str = "on", **options: Any) -> None:
+        """`options`: uvicorn.Config keyword arguments over the defaults here."""
         self.app = app
-        self.server = uvicorn.Server(
-            uvicorn.Config(
-                app,
-                host="127.0.0.1",
-                port=0,
-                loop="asyncio",
-                http="httptools",
-                lifespan=lifespan,
-                access_log=False,
-                log_level="warning",
-                timeout_graceful_shutdown=1,
-            )
-        )
+        defaults: dict[str, Any] = {
+            "host": "127.0.0.1",
+            "port": 0,
+            "loop": "asyncio",
+            "http": "httptools",
+            "lifespan": lifespan,
+            "access_log": False,
+            "log_level": "warning",
+            "timeout_graceful_shutdown": 1,
+        }
+        self.server = uvicorn.Server(uvicorn.Config(app, **{**defaults, **options}))
         self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
         self.loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, daemon=True)
