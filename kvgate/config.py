@@ -103,7 +103,10 @@ class TimeoutsConfig(_Strict):
 class UpstreamConfig(_Strict):
     max_connections: int = Field(1024, gt=0)
     max_keepalive_connections: int = Field(256, ge=0)
-    keepalive_expiry: float = Field(30.0, gt=0)
+    # Below the engines' own idle timeout (vLLM's and SGLang's uvicorn close idle connections
+    # after 5 s), so the gateway never sends on a connection the engine is closing: that
+    # request would meet a reset, be retried and count against a healthy endpoint's breaker.
+    keepalive_expiry: float = Field(4.0, gt=0)
     max_error_body_bytes: int = Field(64 * 1024, gt=0)
 
 
