@@ -338,16 +338,29 @@ def print_by_engine(label: str, plans: list[Planned], results: list[Result]) -> 
 
 
 def per_workload(spec: str, workload: str) -> list[float] | None:
-    """`12,40` (every workload) or `shared=12,40;sessions=12` (per workload; None if absent)."""
+    """`12,40` (every workload) or `shared=12,40;sessions=12` (per workload; None if absent).
+    A rate may carry the load it stands for, `3x:40`, as found by an earlier search."""
+    labelled = labelled_rates(spec, workload)
+    return None if labelled is None else [rate for _, rate in labelled]
+
+
+def labelled_rates(spec: str, workload: str) -> list[tuple[str, float]] | None:
+    """`per_workload` with each rate's label: its load (`3x:40`) or `40 req/s`."""
     if not spec:
         return None
-    if "=" not in spec:
-        return [float(r) for r in spec.split(",")]
-    for part in spec.split(";"):
-        name, _, rates = part.partition("=")
-        if name.strip() == workload:
-            return [float(r) for r in rates.split(",")]
-    return None
+    rates = spec
+    if "=" in spec:
+        found = [
+            p.partition("=")[2] for p in spec.split(";") if p.partition("=")[0].strip() == workload
+        ]
+        if not found:
+            return None
+        rates = found[0]
+    out = []
+    for item in rates.split(","):
+        label, _, rate = item.rpartition(":")
+        out.append((label or f"{float(rate):g} req/s", float(rate)))
+    return out
 
 
 def _interpolate(probes: dict[float, float], target: float) -> float:
@@ -441,7 +454,8 @@ def parse_args() -> argparse.Namespace:
         "--rates",
         default="",
         help="req/s instead of the search: '12,40' for every workload or "
-        "'shared=12,40;azure=10,30'",
+        "'shared=12,40;azure=10,30'; '3x:40' labels a rate with the load an earlier search "
+        "found it for (then the targets are checked)",
     )
     p.add_argument("--light", default=DEFAULT_LIGHT, help="light rate: '8' or 'shared=12;...'")
     p.add_argument("--search-doublings", type=int, default=6, help="highest probe: light x 2^N")
@@ -484,10 +498,10 @@ def parse_args() -> argparse.Namespace:
 def run_workload(args: argparse.Namespace, workload: str) -> tuple[list[Row], str]:
     """Every load x router cell of one workload, and the search's probes in one line."""
     routers = args.routers.split(",")
-    rates = per_workload(args.rates, workload)
+    rates = labelled_rates(args.rates, workload)
     probes: dict[float, dict[str, Any]] = {}
     if rates is not None:
-        loads = [(f"{rate:g} req/s", rate) for rate in rates]
+        loads = rates
     else:
         wanted = args.loads.split(",")
         light = (per_workload(args.light, workload) or [8.0])[0]
