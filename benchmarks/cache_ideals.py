@@ -14,10 +14,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from kvgate.sim.chat_template import render_chat
 from kvgate.sim.kv_cache import extend_block_hashes
 from kvgate.sim.options import BLOCK_SIZE
-from kvgate.sim.tokenizer import tokenize
+from kvgate.sim_chat_template import render_chat
+from kvgate.sim_tokenizer import tokenize
 
 
 @dataclass(frozen=True, slots=True)

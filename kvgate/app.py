@@ -32,6 +32,7 @@ from kvgate.ingress import INFERENCE_ROUTES, ClientGone, parse_payload, read_bod
 from kvgate.observability.access_log import AccessLog
 from kvgate.observability.cost import Pricing
 from kvgate.observability.metrics import GatewayMetrics
+from kvgate.observability.precise import PreciseCollector
 from kvgate.observability.resilience import BreakerStateCollector
 from kvgate.observability.routing import RoutingCollector
 from kvgate.observability.state import StateCollector
@@ -39,6 +40,7 @@ from kvgate.request_options import REQUEST_ID, parse_request_options, request_id
 from kvgate.routing.endpoints import Fleet, build_pool
 from kvgate.routing.health import HealthMonitor
 from kvgate.routing.policy_catalog import load_policies
+from kvgate.routing.precise import PreciseRouting
 from kvgate.routing.prefix_index import PrefixIndex
 from kvgate.routing.router import ModelFallbackStage, PickStage, build_router
 from kvgate.routing.services import RoutingServices
@@ -96,6 +98,8 @@ class GatewayApp:
             else PrefixIndex,
         )
         self.routing.index.add_endpoints(e.name for e in self.fleet.endpoints)
+        precise = PreciseRouting(self.fleet, config)  # KV events, where pools configure them
+        self.routing.precise = precise if precise.configured else None
         self.picker = build_router(self.fleet, load_policies(config), self.routing)
         self.metrics = metrics if metrics is not None else GatewayMetrics()
         self.metrics.configure(config)
@@ -136,6 +140,7 @@ class GatewayApp:
             RoutingCollector(self.fleet, self.routing),
             StateCollector(self.store, self.fleet),
             BreakerStateCollector(self.resilience),
+            PreciseCollector(self.routing),
         )
         self.health = HealthMonitor(
             self.fleet, self.client, config.health, on_recovered=self.resilience.health_recovered
@@ -196,6 +201,8 @@ class GatewayApp:
             log.warning("initial health probe did not finish in %.0f s", _STARTUP_PROBE_SECONDS)
         self.health.start()
         self.telemetry.start()
+        if self.routing.precise is not None:
+            self.routing.precise.start()
         self.store.report_load(self._local_load, self._apply_peer_load)
         await self.store.start()
         # What exists now lives as long as the gateway: keep the collector from walking it on
@@ -230,6 +237,8 @@ class GatewayApp:
         await self.admission.stop()
         await self.store.stop()
         await self.telemetry.stop()
+        if self.routing.precise is not None:
+            await self.routing.precise.stop()
         await self.health.stop()
         await self.client.aclose()
         await self.transport.aclose()
@@ -321,6 +330,11 @@ class GatewayApp:
             elif unready:
                 body = {"status": "unready", "pools_without_healthy_endpoint": unready}
                 await send_bytes(send, 503, orjson.dumps(body), JSON)
+            elif self.routing.precise is not None:
+                # Still ready: an endpoint that lost its events is routed approximately.
+                approximate = self.routing.precise.approximate_endpoints()
+                body = {"status": "ready", "approximate_endpoints": approximate}
+                await send_bytes(send, 200, orjson.dumps(body), JSON)
             else:
                 await send_bytes(send, 200, b'{"status":"ready"}', JSON)
         else:

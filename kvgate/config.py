@@ -34,7 +34,12 @@ from kvgate.chain.settings import (
     TierConfig,
     cross_check_chain,
 )
-from kvgate.routing.settings import RoutingConfig
+from kvgate.routing.settings import (
+    EndpointKvEventsConfig,
+    PoolKvEventsConfig,
+    RoutingConfig,
+    TokenizerConfig,
+)
 from kvgate.yaml_source import (
     Loc,
     YamlDocument,
@@ -129,6 +134,8 @@ class EndpointConfig(_Strict):
     api_key: str | None = None
     labels: dict[str, str] = Field(default_factory=dict)
     max_inflight: int | None = Field(None, gt=0)
+    # Where the engine publishes its KV-cache events (precise routing; docs/routing.md).
+    kv_events: EndpointKvEventsConfig | None = None
 
     @field_validator("url")
     @classmethod
@@ -184,6 +191,16 @@ class PoolConfig(_Strict):
     responses: bool | None = None
     # Unset: the pool's requests are counted as successes but cost nothing.
     price: PriceConfig | None = None
+    # Precise prefix routing (docs/routing.md): every endpoint's KV events at an offset from its
+    # HTTP port (an endpoint's own `kv_events` wins), and how to compute the engines' token ids.
+    kv_events: PoolKvEventsConfig | None = None
+    tokenizer: TokenizerConfig = TokenizerConfig()
+
+    def kv_events_of(self, endpoint: EndpointConfig) -> EndpointKvEventsConfig | None:
+        """Where `endpoint` publishes its KV events (None: nowhere, approximate routing)."""
+        if endpoint.kv_events is not None:
+            return endpoint.kv_events
+        return None if self.kv_events is None else self.kv_events.for_endpoint(endpoint.url)
 
 
 class RetryConfig(_Strict):
@@ -395,6 +412,12 @@ def _cross_check(config: Config) -> list[str]:
                 first = seen_urls[endpoint.url]
                 problems.append(f"{where}: duplicate endpoint, already in {first}")
             seen_urls[endpoint.url] = where
+        events = any(pool.kv_events_of(e) is not None for e in pool.endpoints)
+        if events and pool.tokenizer.kind == "none":
+            problems.append(
+                f"pools[{i}].tokenizer: KV events need the engines' token ids: set kind "
+                "'hf' or 'sim'"
+            )
     retries, breaker = config.resilience.retries, config.resilience.breaker
     if retries.backoff_cap < retries.backoff_base:
         problems.append("resilience.retries.backoff_cap: must be at least backoff_base")

@@ -6,7 +6,9 @@ A module may import its own layer and the layers this table allows, never one ab
 under `if TYPE_CHECKING:` are type-only (no runtime dependency) and are not counted: the
 request context names the tenant, intent and endpoint types of the layers that fill them in.
 `state` is a leaf: it may use nothing of kvgate but the background-task helper. Only `cli`
-imports the simulator, and the simulator imports nothing of the gateway.
+imports the simulator, and the simulator imports nothing of the gateway but `sim_text`: the
+simulator's tokenizer and chat template, which the gateway uses to compute the token ids a
+simulated engine sees (precise prefix routing).
 """
 
 from __future__ import annotations
@@ -41,21 +43,24 @@ _MODULE_LAYERS = {
     "kvgate.demo": "cli",
     "kvgate.serving": "cli",
     "kvgate.http_server": "base",
+    "kvgate.sim_tokenizer": "sim_text",
+    "kvgate.sim_chat_template": "sim_text",
 }
 _BELOW = {
     "base": set(),
+    "sim_text": set(),
     "config": {"base"},
     "state": set(),
-    "routing": {"base", "config", "state"},
-    "upstream": {"base", "config", "state", "routing"},
+    "routing": {"base", "config", "state", "sim_text"},
+    "upstream": {"base", "config", "state", "sim_text", "routing"},
     "ingress": {"base"},
-    "chain": {"base", "config", "state", "routing", "ingress"},
-    "observability": {"base", "config", "state", "routing", "upstream", "chain"},
-    "app": {"base", "config", "state", "routing", "upstream", "ingress", "chain",
+    "chain": {"base", "config", "state", "sim_text", "routing", "ingress"},
+    "observability": {"base", "config", "state", "sim_text", "routing", "upstream", "chain"},
+    "app": {"base", "config", "state", "sim_text", "routing", "upstream", "ingress", "chain",
             "observability"},
-    "cli": {"base", "config", "state", "routing", "upstream", "ingress", "chain",
+    "cli": {"base", "config", "state", "sim_text", "routing", "upstream", "ingress", "chain",
             "observability", "app", "sim"},
-    "sim": set(),
+    "sim": {"sim_text"},
 }  # fmt: skip
 # The one module of kvgate that state may use.
 _STATE_MAY_USE = {"kvgate.background"}

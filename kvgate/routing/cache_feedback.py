@@ -24,6 +24,10 @@ Only the span of the prompt the index hashes (its first `max_blocks` blocks) is 
 engine holding more of a long prompt than that is not drift. Per endpoint the predicted and
 the cached tokens within that span are counted; their gap is the index's drift
 (`kvgate_prefix_predicted_tokens_total`, `kvgate_prefix_cached_tokens_total`).
+
+For an endpoint in precise mode (KV events) the precise index's answer confirmed by events is
+compared too, exactly: equal to the engine's cached tokens or not
+(`kvgate_precise_answers_total{endpoint, outcome}`).
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ class EndpointDrift:
     cached_tokens: int = 0
     over: int = 0
     under: int = 0
+    exact_agreed: int = 0
+    exact_disagreed: int = 0
 
 
 def cached_tokens(usage: dict[str, object] | None) -> int | None:
@@ -106,6 +112,12 @@ class CacheFeedback:
             drift = self.drift[name] = EndpointDrift()
         drift.predicted_tokens += predicted
         drift.cached_tokens += cached
+        exact = prefix.exact
+        if exact is not None and name in exact.confirmed:
+            if exact.confirmed[name] == cached:
+                drift.exact_agreed += 1
+            else:
+                drift.exact_disagreed += 1
         engine_block = self._engine_block_tokens.get(name, ENGINE_BLOCK_TOKENS)
         tolerance = max(engine_block + per_block, DRIFT_TOLERANCE * predicted)
         if cached + tolerance < predicted:

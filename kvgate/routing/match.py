@@ -7,13 +7,31 @@ from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
+class ExactMatch:
+    """What the engines in precise mode hold of the prompt, from their KV events.
+
+    `prompt_tokens` is the engine's own count (the pool's tokenizer); `held[name]` the prompt
+    tokens endpoint `name` holds counting speculative entries (recent decisions not yet
+    confirmed by events), `confirmed[name]` by its events alone: one entry per endpoint in
+    precise mode. `keys[block_size]` is the prompt's block-key chain (to record the decision).
+    """
+
+    prompt_tokens: int
+    held: dict[str, int]
+    confirmed: dict[str, int]
+    keys: dict[int, list[int]]
+
+
+@dataclass(slots=True)
 class PrefixMatch:
     """The request's prompt as the prefix index sees it, and how much of it each endpoint
     probably holds. Produced once per request (retries reuse it); scorers only read it.
 
     `matched[name]` is the number of leading blocks endpoint `name` held when the request was
     first routed (before the decision was recorded), for every endpoint holding at least the
-    first block; the others hold none. `session` is the affinity key, if any.
+    first block; the others hold none. `session` is the affinity key, if any. Endpoints in
+    `exact` (precise mode) are priced by it instead; `matched` stays the approximate index's
+    answer, which the cache feedback keeps correcting for when precise mode is lost.
     """
 
     hashes: Sequence[int]  # a PromptChain: hashed when first needed
@@ -25,16 +43,37 @@ class PrefixMatch:
     # When each endpoint chosen for this request had last touched the deepest block of it
     # that the index thought it held, taken before the decision was recorded (for feedback).
     touched: dict[str, float] = field(default_factory=dict)
+    exact: ExactMatch | None = None
 
     def match_ratio(self, endpoint: str) -> float:
+        exact = self.exact
+        if exact is not None and endpoint in exact.held:
+            return exact.held[endpoint] / exact.prompt_tokens if exact.prompt_tokens else 0.0
         if not self.hashes:
             return 0.0
         return self.matched.get(endpoint, 0) / len(self.hashes)
 
+    def held_blocks(self, endpoint: str) -> float:
+        """How much of the prompt `endpoint` holds, in the approximate index's blocks."""
+        exact = self.exact
+        if exact is not None and endpoint in exact.held:
+            return exact.held[endpoint] / self.tokens_per_block
+        return self.matched.get(endpoint, 0)
+
     def uncached_by_endpoint(self, endpoints: list[str]) -> list[int]:
         """`uncached_tokens` of each endpoint, in one pass (the scorers' hot path)."""
         prompt, per_block, matched = self.prompt_tokens, self.tokens_per_block, self.matched.get
-        out = [prompt - int(matched(name, 0) * per_block) for name in endpoints]
+        exact = self.exact
+        if exact is None:
+            out = [prompt - int(matched(name, 0) * per_block) for name in endpoints]
+        else:
+            held, exact_prompt = exact.held, exact.prompt_tokens
+            out = [
+                exact_prompt - held[name]
+                if name in held
+                else prompt - int(matched(name, 0) * per_block)
+                for name in endpoints
+            ]
         return [u if u > 0 else 0 for u in out]
 
     def uncached_tokens(self, endpoint: str) -> int:

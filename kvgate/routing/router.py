@@ -199,6 +199,7 @@ class PolicyPicker:
             if touched is not None:
                 prefix.touched[chosen.name] = touched
         index.record(chosen.name, prefix.hashes)
+        self.services.record_precise(prefix, chosen.name)
         if prefix.session is not None:
             self.services.affinity.set(prefix.session, chosen.name)
 

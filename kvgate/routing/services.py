@@ -11,6 +11,7 @@ from kvgate.routing.affinity import SessionAffinity, session_key
 from kvgate.routing.cache_feedback import CacheFeedback
 from kvgate.routing.endpoints import Endpoint
 from kvgate.routing.match import PrefixMatch
+from kvgate.routing.precise import PreciseRouting
 from kvgate.routing.prefix_hasher import PrefixHasher
 from kvgate.routing.prefix_index import PrefixIndex
 from kvgate.routing.settings import ExplainMode, RoutingConfig
@@ -30,6 +31,8 @@ class RoutingServices:
     chars_per_token: float
     max_candidates: int = 0
     rng: random.Random = field(default_factory=random.Random)
+    # Precise routing from the engines' KV events, when some pool has them (the app sets it).
+    precise: PreciseRouting | None = None
     feedback: CacheFeedback = field(init=False)
     # Endpoints chosen in this process (retries' choices included), by (endpoint, policy).
     decisions: dict[tuple[str, str], int] = field(default_factory=dict)
@@ -71,14 +74,14 @@ class RoutingServices:
         prefix = ctx.prefix
         keep: list[Endpoint] = []
         if prefix is not None:
-            depth = prefix.matched.get
-            if prefix.matched:
-                keep = [e for e in endpoints if depth(e.name, 0)]
+            depth = prefix.held_blocks
+            if prefix.matched or prefix.exact is not None:
+                keep = [e for e in endpoints if depth(e.name)]
             places = limit - limit // 4
             if len(keep) > places:
                 turn = rng.randrange(len(keep))
                 keep = keep[turn:] + keep[:turn]
-                keep.sort(key=lambda e: depth(e.name, 0), reverse=True)  # stable: ties rotate
+                keep.sort(key=lambda e: depth(e.name), reverse=True)  # stable: ties rotate
                 del keep[places:]
             if prefix.affinity is not None and all(e.name != prefix.affinity for e in keep):
                 keep += [e for e in endpoints if e.name == prefix.affinity][:1]
@@ -97,6 +100,8 @@ class RoutingServices:
         if telemetry.kv_tokens is not None:
             blocks = telemetry.kv_tokens * self.chars_per_token / self.hasher.block_chars
             self.feedback.engine_size(endpoint.name, max(1, int(blocks)), telemetry.block_size)
+        if self.precise is not None:
+            self.precise.engine_size(endpoint.name, telemetry)
 
     def prefix_match(self, ctx: RequestContext) -> PrefixMatch:
         """Hash the request's prompt once, match it against every endpoint and look up its
@@ -110,7 +115,14 @@ class RoutingServices:
             matched=self.index.match(hashes),
             session=session,
             affinity=self.affinity.get(session) if session is not None else None,
+            exact=self.precise.match(ctx) if self.precise is not None else None,
         )
+
+    def record_precise(self, prefix: PrefixMatch, endpoint: str) -> None:
+        """The decision for a request with this match went to `endpoint` (speculative entry
+        in the precise index; the endpoint's event stream is now expected to move)."""
+        if self.precise is not None and prefix.exact is not None:
+            self.precise.decided(prefix.exact, endpoint)
 
     def explain_allowed(self, ctx: RequestContext) -> bool:
         """`never`; `always` (anyone who sends `x-kvgate-explain: 1`); or `admin`: the auth

@@ -1,11 +1,13 @@
 """Config section `routing:`: telemetry scraping, stale policy, prefix index, saturation,
-session affinity and who may see routing explanations. Validated once at load."""
+session affinity and who may see routing explanations; and a pool's precise-routing keys
+(`kv_events`, `tokenizer`). Validated once at load."""
 
 from __future__ import annotations
 
 from typing import Literal
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 StalePolicy = Literal["local", "exclude"]
 ExplainMode = Literal["admin", "always", "never"]
@@ -55,3 +57,59 @@ class RoutingConfig(_Strict):
     @property
     def stale_after(self) -> float:
         return self.scrape_interval * self.stale_after_intervals
+
+
+class EndpointKvEventsConfig(_Strict):
+    """Where one engine publishes its KV-cache events (vLLM's `--kv-events-config`): the PUB
+    socket `url` (`tcp://host:port`), its `topic`, and the optional replay socket."""
+
+    url: str = Field(pattern=r"^tcp://[^\s/]+:\d+$")
+    topic: str = "kv-events"
+    replay_url: str | None = Field(None, pattern=r"^tcp://[^\s/]+:\d+$")
+
+
+class PoolKvEventsConfig(_Strict):
+    """Every endpoint of the pool publishes on its own host at its HTTP port + `port_offset`
+    and replays at the HTTP port + `replay_port_offset` (null: no replay socket)."""
+
+    port_offset: int = Field(1000, ge=1, le=65535)
+    replay_port_offset: int | None = Field(None, ge=1, le=65535)
+    topic: str = "kv-events"
+
+    def for_endpoint(self, url: str) -> EndpointKvEventsConfig:
+        """The sockets of the engine serving HTTP at `url` (80 / 443 when it names no port)."""
+        parts = urlsplit(url)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        host = parts.hostname or "127.0.0.1"
+        if ":" in host:
+            host = f"[{host}]"
+        replay = self.replay_port_offset
+        return EndpointKvEventsConfig(
+            url=f"tcp://{host}:{port + self.port_offset}",
+            topic=self.topic,
+            replay_url=None if replay is None else f"tcp://{host}:{port + replay}",
+        )
+
+
+TokenizerKind = Literal["hf", "sim", "none"]
+
+
+class TokenizerConfig(_Strict):
+    """How the gateway computes the token ids the pool's engines see (precise routing).
+
+    `hf`: a Hugging Face tokenizer directory (`tokenizer.json`, `tokenizer_config.json` with
+    its `chat_template`) at `path`; `sim`: the simulator's tokenizer and chat template;
+    `none`: no token ids (approximate routing only). `block_size`: the engines' KV block in
+    tokens, when set; else what their events and `/metrics` report."""
+
+    kind: TokenizerKind = "none"
+    path: str | None = None
+    block_size: int | None = Field(None, ge=1, le=4096)
+
+    @model_validator(mode="after")
+    def _path_for_hf(self) -> TokenizerConfig:
+        if self.kind == "hf" and not self.path:
+            raise ValueError("kind 'hf' needs the tokenizer's directory as 'path'")
+        if self.kind != "hf" and self.path is not None:
+            raise ValueError(f"kind '{self.kind}' takes no 'path'")
+        return self

@@ -5,9 +5,10 @@ import math
 import struct
 from typing import Any
 
+from kvgate.sim_tokenizer import count_tokens
+
 from .openai_api import ApiError, resolve_model
 from .options import EngineOptions
-from .tokenizer import count_tokens
 
 
 def embed(text: str, dim: int) -> list[float]:

@@ -28,6 +28,8 @@ from typing import Any, Literal
 import zmq
 import zmq.asyncio
 
+from kvgate.sim_tokenizer import token_ids
+
 from .kv_event_wire import (
     Event,
     KvEventEncoding,
@@ -37,7 +39,6 @@ from .kv_event_wire import (
     encode_batch,
     sequence_bytes,
 )
-from .tokenizer import token_ids
 
 TOPIC = "kv-events"
 _END_OF_REPLAY = sequence_bytes(-1)

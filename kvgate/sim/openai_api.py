@@ -10,10 +10,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from .chat_template import TemplateError, render_chat
+from kvgate.sim_chat_template import TemplateError, render_chat
+from kvgate.sim_tokenizer import tokenize
+
 from .options import EngineOptions
 from .sequence import GenerationRequest, SamplingParams
-from .tokenizer import tokenize
 
 CHAT = "chat"
 COMPLETION = "completion"

@@ -11,7 +11,7 @@ import zlib
 TAIL_CHARS = 48
 
 # Generated words are at most six ASCII letters and carry their leading space, so each one
-# is exactly one token for kvgate.sim.tokenizer and re-tokenizing the output is stable.
+# is exactly one token for kvgate.sim_tokenizer and re-tokenizing the output is stable.
 _WORD_LIST = (
     "the of and to in is was for that with as on by at from his her they this are "
     "which be or had not but have one were all when there an their been has more if "

@@ -15,8 +15,8 @@ import pytest
 
 from kvgate.routing.kv_events import KvEventSubscriber
 from kvgate.sim import EngineOptions, SimEngine, SimFleet
-from kvgate.sim.chat_template import render_chat
-from kvgate.sim.tokenizer import token_ids, tokenize
+from kvgate.sim_chat_template import render_chat
+from kvgate.sim_tokenizer import token_ids, tokenize
 from tests.servers import free_base_port, port_is_free
 
 from .helpers import RecordingSink, until

@@ -5,12 +5,12 @@ import time
 
 import pytest
 
-from kvgate.sim.chat_template import TemplateError, render_chat
 from kvgate.sim.faults import Fault, FaultInjector
 from kvgate.sim.kv_cache import BlockPool, extend_block_hashes
 from kvgate.sim.options import EngineOptions
 from kvgate.sim.textgen import TAIL_CHARS, TextGenerator
-from kvgate.sim.tokenizer import count_tokens, tokenize
+from kvgate.sim_chat_template import TemplateError, render_chat
+from kvgate.sim_tokenizer import count_tokens, tokenize
 
 from .helpers import LONG_TEXT
 

@@ -7,7 +7,8 @@ is `<|im_start|>assistant\\n`. Rendering with `continue_final_message=True` leav
     render(messages + [{"role": "assistant", "content": partial}], continue_final_message=True)
     == render(messages, add_generation_prompt=True) + partial
 
-which is what makes a continued answer reproduce the uninterrupted one exactly.
+which is what makes a continued answer reproduce the uninterrupted one exactly. Shared by the
+simulator and the gateway's `kind: sim` tokenizer.
 """
 
 from typing import Any

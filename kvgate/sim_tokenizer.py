@@ -4,6 +4,9 @@ Token boundaries follow words, digits, punctuation and whitespace (long words ar
 every six letters, a leading space sticks to the word after it), so they do not fall on
 fixed character offsets, and English text averages about four characters per token.
 Concatenating the tokens of a text gives the text back exactly.
+
+Shared by the simulator (what its engines see) and the gateway (a pool's `tokenizer: {kind:
+sim}`, which reproduces the ids the engines publish in their KV events).
 """
 
 import re

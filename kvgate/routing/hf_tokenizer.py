@@ -1,0 +1,129 @@
+"""A Hugging Face tokenizer directory as a pool's `PromptTokenizer` (`tokenizer: {kind: hf}`).
+
+Read from a local directory (no model hub): `tokenizer.json` (the `tokenizers` library) and
+the chat template — `chat_template` in `tokenizer_config.json` (a string, or a list of named
+templates of which `default` is used) or a `chat_template.jinja` file beside it. The template
+is rendered as `transformers` renders it (a sandboxed jinja2 environment with `trim_blocks`,
+`lstrip_blocks`, loop controls, `tojson` and `raise_exception`), with `bos_token` and
+`eos_token` from the config. As vLLM does, a rendered chat is encoded without adding special
+tokens (the template writes them) and a completion prompt with them.
+
+Needs the `hf` extra (`pip install 'kvgate[hf]'`: `tokenizers` and `jinja2`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+from tokenizers import Tokenizer
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent)
+
+
+def _token_text(value: Any) -> str:
+    """A special token in tokenizer_config.json: a string or `{"content": ...}`."""
+    if isinstance(value, dict):
+        return str(value.get("content", ""))
+    return value if isinstance(value, str) else ""
+
+
+class HfTokenizer:
+    """The ids a vLLM engine serving the model at `path` computes for a request."""
+
+    def __init__(self, tokenizer: Tokenizer, template: str | None, special: dict[str, str]):
+        self._tokenizer = tokenizer
+        self._special = special
+        self._template: jinja2.Template | None = None
+        if template is not None:
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+            )
+            env.filters["tojson"] = _tojson
+            env.globals["raise_exception"] = _raise_exception
+            self._template = env.from_string(template)
+
+    @classmethod
+    def load(cls, path: Path) -> HfTokenizer:
+        """Load the directory; ValueError naming what is missing or broken."""
+        try:
+            tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        except Exception as error:  # the library raises plain Exception subclasses
+            raise ValueError(f"cannot load {path / 'tokenizer.json'}: {error}") from None
+        config: dict[str, Any] = {}
+        config_file = path / "tokenizer_config.json"
+        if config_file.is_file():
+            try:
+                config = json.loads(config_file.read_text())
+            except (OSError, ValueError) as error:
+                raise ValueError(f"cannot read {config_file}: {error}") from None
+        template = config.get("chat_template")
+        if isinstance(template, list):
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        jinja_file = path / "chat_template.jinja"
+        if template is None and jinja_file.is_file():
+            template = jinja_file.read_text()
+        try:
+            return cls(
+                tokenizer,
+                template if isinstance(template, str) else None,
+                {
+                    "bos_token": _token_text(config.get("bos_token")),
+                    "eos_token": _token_text(config.get("eos_token")),
+                },
+            )
+        except jinja2.TemplateError as error:
+            raise ValueError(f"the chat template of {path} does not compile: {error}") from None
+
+    def prompt_ids(self, route: str, payload: dict[str, Any]) -> list[int] | None:
+        if route == "chat":
+            text = self.render_chat(payload)
+            if text is None:
+                return None
+            return self._tokenizer.encode(text, add_special_tokens=False).ids
+        if route == "completions":
+            prompt = payload.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1:
+                prompt = prompt[0]
+            if isinstance(prompt, str):
+                return self._tokenizer.encode(prompt, add_special_tokens=True).ids
+            if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+                return prompt  # token ids given directly reach the engine as they are
+        return None
+
+    def render_chat(self, payload: dict[str, Any]) -> str | None:
+        """The chat template applied to the payload's messages (None: no template, or it
+        refused them)."""
+        messages = payload.get("messages")
+        if self._template is None or not isinstance(messages, list):
+            return None
+        continued = bool(payload.get("continue_final_message", False))
+        try:
+            text = self._template.render(
+                messages=messages,
+                tools=payload.get("tools"),
+                add_generation_prompt=not continued
+                and bool(payload.get("add_generation_prompt", True)),
+                **self._special,
+            )
+        except (jinja2.TemplateError, TypeError, ValueError):
+            return None
+        if continued:
+            # As transformers does: cut after the final message's content, leaving it open.
+            final = messages[-1].get("content") if isinstance(messages[-1], dict) else None
+            if not isinstance(final, str) or final.strip() not in text:
+                return None
+            final = final.strip()
+            text = text[: text.rindex(final) + len(final)]
+        return text

@@ -1,0 +1,249 @@
+"""Precise routing: one KV-event subscriber per configured endpoint, feeding the precise index,
+and the per-request answer the router prices endpoints in precise mode with.
+
+An endpoint is in precise mode while its subscriber is (`KvEventSubscriber.mode`: every batch
+since a known-empty cache applied in order, stream not stalled) and its index entries did not
+outgrow the engine's KV size; otherwise it is routed on the approximate index, which is kept
+up to date for every endpoint all along, so a fallback starts warm. Every change of mode is
+logged. A stall counts only while the endpoint serves traffic that fills blocks: a decision
+that sends it at least one uncached block starts the subscriber's stall clock
+(`routing.scrape_interval` times `stale_after_intervals`, 3).
+
+Requests carrying a tenant's `cache_salt` are matched approximately: KV events carry token ids
+but not the salt, so the precise index cannot tell tenants' blocks apart.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import zmq.asyncio
+
+from kvgate.config import Config, ConfigError
+from kvgate.routing.endpoints import Fleet
+from kvgate.routing.kv_events import (
+    APPROXIMATE,
+    PRECISE,
+    BlockRemoved,
+    BlockStored,
+    KvEventSubscriber,
+    SubscriberCounters,
+)
+from kvgate.routing.match import ExactMatch
+from kvgate.routing.precise_index import PreciseIndex, block_keys
+from kvgate.routing.prompt_tokens import PromptTokenizer, build_tokenizer
+from kvgate.routing.settings import EndpointKvEventsConfig, TokenizerConfig
+from kvgate.routing.telemetry import EngineTelemetry
+from kvgate.types import RequestContext
+
+log = logging.getLogger("kvgate.routing")
+
+OVERFLOWED = "index_overflow"
+NOT_STARTED = "starting"
+
+
+@dataclass(slots=True, eq=False)
+class _Source:
+    """One endpoint whose engine publishes KV events."""
+
+    name: str
+    pool: str
+    events: EndpointKvEventsConfig
+    tokenizer: TokenizerConfig
+    subscriber: KvEventSubscriber | None = None
+
+
+class PreciseRouting:
+    """Subscribers, precise index and tokenizers of every pool configured for KV events.
+
+    Raises ConfigError when a pool's tokenizer cannot be loaded. `start()` / `stop()` run the
+    subscribers (the app's lifespan). `match(ctx)` is the
+    producer step's precise part; `decided` records a decision; `mode(endpoint)` is what the
+    operator surfaces read (`/readyz`, metrics, the admin endpoint list).
+    """
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        config: Config,
+        *,
+        speculative_ttl: float | None = None,
+    ) -> None:
+        routing = config.routing
+        self.fleet = fleet
+        self.stall_after = routing.scrape_interval * routing.stale_after_intervals
+        self.index = PreciseIndex(
+            routing.prefix.max_capacity,
+            self.stall_after if speculative_ttl is None else speculative_ttl,
+        )
+        self._tokenizers: dict[str, PromptTokenizer] = {}
+        self._tokenizer_configs: dict[str, TokenizerConfig] = {}
+        self._sources: dict[str, _Source] = {}
+        for i, (pool_config, pool) in enumerate(zip(config.pools, fleet.pools, strict=True)):
+            try:
+                tokenizer = build_tokenizer(pool_config.tokenizer, config.folder)
+            except ValueError as error:
+                raise ConfigError(config.source, [f"pools[{i}].tokenizer: {error}"]) from None
+            if tokenizer is None:
+                continue
+            self._tokenizers[pool.name] = tokenizer
+            self._tokenizer_configs[pool.name] = pool_config.tokenizer
+            for endpoint_config, endpoint in zip(
+                pool_config.endpoints, pool.endpoints, strict=True
+            ):
+                events = pool_config.kv_events_of(endpoint_config)
+                if events is None:
+                    continue
+                self._sources[endpoint.name] = _Source(
+                    endpoint.name, pool.name, events, pool_config.tokenizer
+                )
+                self.index.add_endpoint(endpoint.name, pool_config.tokenizer.block_size)
+        self._context: zmq.asyncio.Context | None = None
+
+    @property
+    def configured(self) -> bool:
+        """Whether any endpoint publishes KV events."""
+        return bool(self._sources)
+
+    @property
+    def endpoints(self) -> list[str]:
+        """The endpoints with KV events configured."""
+        return list(self._sources)
+
+    # --- lifespan ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start one subscriber per configured endpoint on the running loop."""
+        if not self._sources:
+            return
+        self._context = zmq.asyncio.Context()
+        for source in self._sources.values():
+            source.subscriber = KvEventSubscriber(
+                source.name,
+                source.events.url,
+                self,
+                topic=source.events.topic,
+                replay_url=source.events.replay_url,
+                stall_after=self.stall_after,
+                context=self._context,
+            )
+            source.subscriber.start()
+
+    async def stop(self) -> None:
+        for source in self._sources.values():
+            if source.subscriber is not None:
+                await source.subscriber.stop()
+                source.subscriber = None
+        if self._context is not None:
+            self._context.term()
+            self._context = None
+
+    # --- modes -------------------------------------------------------------------------
+
+    def mode(self, endpoint: str) -> tuple[str, str] | None:
+        """(`precise` | `approximate`, reason) for an endpoint with KV events configured;
+        None for the others (they are routed approximately by configuration)."""
+        source = self._sources.get(endpoint)
+        if source is None:
+            return None
+        subscriber = source.subscriber
+        if subscriber is None:
+            return APPROXIMATE, NOT_STARTED
+        if subscriber.mode == PRECISE and self.index.overflowed(endpoint):
+            return APPROXIMATE, OVERFLOWED
+        return subscriber.mode, subscriber.reason
+
+    def approximate_endpoints(self) -> list[str]:
+        """Endpoints configured for KV events that are routed approximately now."""
+        return [name for name in self._sources if not self._precise(name)]
+
+    def counters(self, endpoint: str) -> SubscriberCounters | None:
+        """The subscriber's counters (None before it started)."""
+        source = self._sources.get(endpoint)
+        subscriber = source.subscriber if source is not None else None
+        return subscriber.counters if subscriber is not None else None
+
+    def _precise(self, endpoint: str) -> bool:
+        source = self._sources[endpoint]
+        subscriber = source.subscriber
+        return (
+            subscriber is not None
+            and subscriber.mode == PRECISE
+            and not self.index.overflowed(endpoint)
+            and self.index.block_size(endpoint) is not None
+        )
+
+    # --- KvEventSink (the subscribers call these in each engine's order) ---------------
+
+    def stored(self, endpoint: str, event: BlockStored) -> None:
+        was = self.index.overflowed(endpoint)
+        self.index.stored(endpoint, event)
+        if not was and self.index.overflowed(endpoint):
+            log.warning(
+                "kv events %s: approximate (%s: more blocks than the engine holds)",
+                endpoint,
+                OVERFLOWED,
+            )
+
+    def removed(self, endpoint: str, event: BlockRemoved) -> None:
+        self.index.removed(endpoint, event)
+
+    def cleared(self, endpoint: str) -> None:
+        was = self.index.overflowed(endpoint)
+        self.index.cleared(endpoint)
+        if was:
+            log.info("kv events %s: index cleared with the engine's cache", endpoint)
+
+    # --- routing -----------------------------------------------------------------------
+
+    def engine_size(self, endpoint: str, telemetry: EngineTelemetry) -> None:
+        """The engine's reported KV size bounds its entries (and gives its block size)."""
+        if endpoint in self._sources and telemetry.num_blocks is not None:
+            self.index.set_engine_size(endpoint, telemetry.num_blocks, telemetry.block_size)
+
+    def match(self, ctx: RequestContext) -> ExactMatch | None:
+        """What every endpoint in precise mode holds of the request's prompt (None when the
+        request is not routed precisely: no tokenizer for its pool, a salted tenant, a
+        prompt the tokenizer cannot reproduce)."""
+        pool = self.fleet.home_pool(ctx.model)
+        tokenizer = self._tokenizers.get(pool) if pool is not None else None
+        if tokenizer is None or ctx.cache_salt is not None:
+            return None
+        ids = tokenizer.prompt_ids(ctx.route, ctx.payload)
+        if ids is None:
+            return None
+        same = self._tokenizer_configs[pool]  # type: ignore[index]  # pool is not None here
+        by_size: dict[int, list[str]] = {}
+        for name, source in self._sources.items():
+            if source.tokenizer == same and self._precise(name):
+                size = self.index.block_size(name)
+                assert size is not None
+                by_size.setdefault(size, []).append(name)
+        held: dict[str, int] = {}
+        confirmed: dict[str, int] = {}
+        keys: dict[int, list[int]] = {}
+        for size, names in by_size.items():
+            # A fully cached prompt still computes its last token: at most this many hit.
+            chain = keys[size] = block_keys(ids, size, (len(ids) - 1) // size)
+            both, events_only = self.index.match(chain, names)
+            for name in names:
+                held[name] = both[name] * size
+                confirmed[name] = events_only[name] * size
+        return ExactMatch(len(ids), held, confirmed, keys)
+
+    def decided(self, exact: ExactMatch, endpoint: str) -> None:
+        """The request went to `endpoint`: its blocks are a speculative entry there, and,
+        when it fills at least one block, the endpoint's events are expected to move."""
+        if endpoint not in exact.held:
+            return
+        size = self.index.block_size(endpoint)
+        chain = exact.keys.get(size) if size is not None else None
+        if chain is None:
+            return
+        self.index.speculate(endpoint, chain)
+        assert size is not None
+        if exact.prompt_tokens - exact.held[endpoint] >= size:
+            subscriber = self._sources[endpoint].subscriber
+            if subscriber is not None:
+                subscriber.note_traffic()

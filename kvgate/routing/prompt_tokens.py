@@ -1,0 +1,89 @@
+"""The token ids a pool's engines will see for a request: what precise routing keys blocks by.
+
+A pool's `tokenizer:` picks the implementation: `sim` (the simulator's tokenizer and
+ChatML template, `kvgate/sim_tokenizer.py`), `hf` (a Hugging Face tokenizer directory,
+`kvgate/routing/hf_tokenizer.py`, needs the `hf` extra) or `none` (no ids: the pool routes on
+the approximate index only). A tokenizer answers None for a request it cannot reproduce
+(an unknown message shape, a template error, a route without a prompt): that request is
+routed approximately.
+"""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+from typing import Any, Protocol
+
+from kvgate.routing.settings import TokenizerConfig
+from kvgate.sim_chat_template import TemplateError, render_chat
+from kvgate.sim_tokenizer import tokenize
+
+# Distinct token texts whose ids the sim tokenizer remembers (a token's id is the CRC-32 of
+# its text; a dict lookup is a third of the call). Cleared when full: a bound, not an LRU.
+_SIM_VOCABULARY = 200_000
+
+
+class PromptTokenizer(Protocol):
+    def prompt_ids(self, route: str, payload: dict[str, Any]) -> list[int] | None:
+        """The prompt's token ids as the engine will see them (the chat template applied
+        for `chat`), or None when this request cannot be reproduced."""
+        ...
+
+
+class SimTokenizer:
+    """The simulator's tokenizer and template: ids equal to those its KV events carry."""
+
+    def __init__(self) -> None:
+        self._ids: dict[str, int] = {}
+
+    def prompt_ids(self, route: str, payload: dict[str, Any]) -> list[int] | None:
+        if route == "chat":
+            try:
+                text = render_chat(
+                    payload.get("messages") or [],
+                    add_generation_prompt=bool(payload.get("add_generation_prompt", True)),
+                    continue_final_message=bool(payload.get("continue_final_message", False)),
+                )
+            except TemplateError:
+                return None
+        elif route == "completions":
+            prompt = payload.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1:
+                prompt = prompt[0]
+            if not isinstance(prompt, str):
+                return None
+            text = prompt
+        else:
+            return None
+        return self._token_ids(tokenize(text))
+
+    def _token_ids(self, tokens: list[str]) -> list[int]:
+        ids = self._ids
+        if len(ids) > _SIM_VOCABULARY:
+            ids.clear()
+        out = list(map(ids.get, tokens))
+        for i, value in enumerate(out):
+            if value is None:
+                token = tokens[i]
+                out[i] = ids[token] = zlib.crc32(token.encode())
+        return out  # type: ignore[return-value]  # every None was replaced
+
+
+def build_tokenizer(config: TokenizerConfig, folder: Path | None) -> PromptTokenizer | None:
+    """The pool's tokenizer (None for `kind: none`); a relative `path` is read from `folder`
+    (the config file's). Raises ValueError when an `hf` directory cannot be loaded."""
+    if config.kind == "sim":
+        return SimTokenizer()
+    if config.kind == "hf":
+        try:  # the optional `hf` extra
+            from kvgate.routing.hf_tokenizer import HfTokenizer
+        except ImportError as error:
+            hint = "kind 'hf' needs the hf extra (pip install 'kvgate[hf]')"
+            raise ValueError(f"{hint}: {error}") from None
+
+        assert config.path is not None
+        path = Path(config.path)
+        if not path.is_absolute() and folder is not None:
+            path = folder / path
+        return HfTokenizer.load(path)
+    return None

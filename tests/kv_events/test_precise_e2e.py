@@ -1,0 +1,156 @@
+"""End to end: the gateway routes on the simulated engines' KV events (precise mode).
+
+Real sockets throughout: engines with `--kv-events` in a thread, the gateway on uvicorn, the
+OpenAI SDK as client. The precise index's answer is checked against the engines' own
+`cached_tokens`; a stopped publisher puts its endpoint in approximate mode (visible in
+metrics and `/readyz`) without failing a request, and a restarted one brings it back.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from kvgate.app import GatewayApp
+from kvgate.sim import EngineOptions, SimFleet
+from tests.conftest import gateway_config
+from tests.metrics_text import sample_value
+from tests.sdk_clients import sdk_client
+from tests.servers import ServerThread
+
+SCRAPE = 0.2
+SYSTEMS = [
+    f"You are assistant number {i} of a bicycle shop; answer briefly, kindly and precisely. " * 12
+    for i in range(4)
+]
+Start = Callable[[dict[str, Any]], tuple[GatewayApp, ServerThread]]
+
+
+@pytest.fixture
+def engines() -> Iterator[SimFleet]:
+    options = EngineOptions(profile="fast", speed=50.0, kv_events=True, kv_blocks=3000)
+    with SimFleet.in_thread(engines=3, options=options) as fleet:
+        yield fleet
+
+
+def precise_config(fleet: SimFleet, **routing: Any) -> dict[str, Any]:
+    config = gateway_config(
+        fleet.urls,
+        routing={"scrape_interval": SCRAPE, **routing},
+        pool={"tokenizer": {"kind": "sim"}},
+    )
+    for endpoint, engine in zip(config["pools"][0]["endpoints"], fleet.engines, strict=True):
+        assert engine.kv_events is not None
+        endpoint["kv_events"] = {
+            "url": engine.kv_events.url,
+            "replay_url": engine.kv_events.replay_url,
+        }
+    return config
+
+
+def wait_for(condition: Callable[[], bool], seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def modes(app: GatewayApp) -> dict[str, str]:
+    precise = app.routing.precise
+    assert precise is not None
+    return {name: precise.mode(name)[0] for name in precise.endpoints}  # type: ignore[index]
+
+
+def test_precise_index_agrees_with_the_engines_and_places_shared_prefixes(
+    engines: SimFleet, start_gateway: Start
+) -> None:
+    app, server = start_gateway(precise_config(engines))
+    wait_for(lambda: set(modes(app).values()) == {"precise"})
+    client = sdk_client(base_url=server.url + "/v1", api_key="none")
+    agreed = disagreed = 0
+    chosen: dict[int, set[str]] = {}
+    for turn in range(60):
+        group = turn % len(SYSTEMS)
+        raw = client.chat.completions.with_raw_response.create(
+            model="sim-model",
+            max_tokens=4,
+            messages=[
+                {"role": "system", "content": SYSTEMS[group]},
+                {"role": "user", "content": f"Question {turn} about gears?"},
+            ],
+        )
+        chosen.setdefault(group, set()).add(raw.headers["x-kvgate-endpoint"])
+        completion = raw.parse()
+        assert completion.usage is not None and completion.usage.prompt_tokens_details is not None
+        if turn < len(SYSTEMS):
+            continue  # the first request of each group: the engines learn the prefix
+        drift = app.routing.feedback.drift
+        agreed = sum(d.exact_agreed for d in drift.values())
+        disagreed = sum(d.exact_disagreed for d in drift.values())
+    assert agreed + disagreed >= 56
+    assert agreed / (agreed + disagreed) >= 0.995, (agreed, disagreed)
+    assert all(len(endpoints) == 1 for endpoints in chosen.values()), chosen
+    metrics = httpx.get(server.url + "/metrics").text
+    name = next(iter(chosen[0]))
+    assert sample_value(metrics, "kvgate_kv_events_applied_total", endpoint=name) > 0
+    assert (
+        sample_value(
+            metrics, "kvgate_precise_answers_total", endpoint=next(iter(chosen[0])), outcome="agree"
+        )
+        > 0
+    )
+    ready = httpx.get(server.url + "/readyz").json()
+    assert ready == {"status": "ready", "approximate_endpoints": []}
+
+
+def test_a_stopped_publisher_falls_back_within_three_intervals_and_recovers(
+    engines: SimFleet, start_gateway: Start
+) -> None:
+    app, server = start_gateway(precise_config(engines))
+    wait_for(lambda: set(modes(app).values()) == {"precise"})
+    client = sdk_client(base_url=server.url + "/v1", api_key="none")
+
+    def ask(text: str) -> str:
+        raw = client.chat.completions.with_raw_response.create(
+            model="sim-model", max_tokens=4, messages=[{"role": "user", "content": text}]
+        )
+        assert raw.status_code == 200
+        return raw.headers["x-kvgate-endpoint"]
+
+    first = ask(SYSTEMS[0] + " First question?")
+    victim = engines.engines[[e.name for e in app.fleet.endpoints].index(first)]
+    victim.set_kv_event_fault({"mode": "stop"})
+    stopped = time.monotonic()
+    # Traffic that fills blocks on the victim starts its stall clock; keep it coming.
+    served = []
+    for i in range(100_000):
+        text = f" Follow-up {i}: " + " ".join(f"word{i}x{k}" for k in range(40))
+        served.append(ask(SYSTEMS[0] + text))
+        if modes(app)[first] == "approximate" or time.monotonic() - stopped > 10:
+            break
+    elapsed = time.monotonic() - stopped
+    assert modes(app)[first] == "approximate", served
+    assert elapsed < 3 * SCRAPE + 1.5  # the stall limit (3 intervals) plus slack for CI
+    assert httpx.get(server.url + "/readyz").json()["approximate_endpoints"] == [first]
+    metrics = httpx.get(server.url + "/metrics").text
+    assert sample_value(metrics, "kvgate_kv_events_precise", endpoint=first, reason="stalled") == 0
+    victim.set_kv_event_fault(None)  # batches flow again; the ones held back are replayed
+    for i in range(100_000):
+        ask(SYSTEMS[0] + f" After the stall {i}: " + " ".join(f"w{i}y{k}" for k in range(40)))
+        if modes(app)[first] == "precise" or time.monotonic() - stopped > 20:
+            break
+    assert modes(app)[first] == "precise"
+    victim.set_kv_event_fault({"mode": "restart"})  # a new process: sequence 0, new salt
+    restarted = time.monotonic()
+    for i in range(100_000):
+        ask(SYSTEMS[0] + f" After the restart {i}: " + " ".join(f"v{i}z{k}" for k in range(40)))
+        counters = app.routing.precise.counters(first)  # type: ignore[union-attr]
+        if counters is not None and counters.restarts and modes(app)[first] == "precise":
+            break
+        if time.monotonic() - restarted > 10:
+            break
+    assert modes(app)[first] == "precise"
