@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
+import zmq.asyncio
 
 from kvgate.app import GatewayApp
 from kvgate.sim import EngineOptions, SimFleet
@@ -21,6 +22,9 @@ from tests.conftest import gateway_config
 from tests.metrics_text import sample_value
 from tests.sdk_clients import sdk_client
 from tests.servers import ServerThread
+from tests.upstreams import ScriptedUpstream
+
+from .helpers import TOPIC, ScriptedPublisher, batch, block, cleared, seq_frame, until
 
 SCRAPE = 0.2
 SYSTEMS = [
@@ -154,3 +158,39 @@ def test_a_stopped_publisher_falls_back_within_three_intervals_and_recovers(
         if time.monotonic() - restarted > 10:
             break
     assert modes(app)[first] == "precise"
+
+
+async def test_malformed_event_payloads_are_counted_and_dropped(
+    upstream: tuple[ScriptedUpstream, ServerThread], start_gateway: Start
+) -> None:
+    context = zmq.asyncio.Context()
+    async with ScriptedPublisher(context) as publisher:
+        config = gateway_config([upstream[1].url], pool={"tokenizer": {"kind": "sim"}})
+        events = {"url": publisher.url, "replay_url": publisher.replay_url}
+        config["pools"][0]["endpoints"][0]["kv_events"] = events
+        app, server = start_gateway(config)
+        precise = app.routing.precise
+        assert precise is not None
+        name = precise.endpoints[0]
+        await publisher.wait_for_subscriber()
+        await until(lambda: precise.mode(name) == ("precise", "fresh_start"))
+        await publisher.send(0, block(1))
+        await publisher.send_frames([TOPIC, seq_frame(1)])  # two frames, not three
+        await publisher.send(1, b"\xc1 is no msgpack")
+        await publisher.send(2, block(2))
+        counters = precise.counters(name)
+        assert counters is not None
+        await until(lambda: counters.batches_applied == 2)
+        assert counters.malformed_dropped == 2
+        assert precise.mode(name) == ("approximate", "malformed_batch")
+        async with httpx.AsyncClient(base_url=server.url) as client:
+            metrics = (await client.get("/metrics")).text
+            labels = {"endpoint": name}
+            assert sample_value(metrics, "kvgate_kv_events_malformed_total", **labels) == 2
+            assert sample_value(metrics, "kvgate_kv_events_applied_total", **labels) == 2
+            reason = {"reason": "malformed_batch", **labels}
+            assert sample_value(metrics, "kvgate_kv_events_precise", **reason) == 0
+            await publisher.send(3, batch(cleared()))  # the engine's cache reset: exact again
+            await until(lambda: precise.mode(name) == ("precise", "cleared"))
+            assert (await client.get("/readyz")).json()["approximate_endpoints"] == []
+    context.term()
