@@ -46,6 +46,21 @@ def render_chat(
     open (no end marker) so generation continues it; `add_generation_prompt` must then be
     false, as vLLM requires.
     """
+    return "".join(
+        render_chat_parts(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+        )
+    )
+
+
+def render_chat_parts(
+    messages: list[Any], *, add_generation_prompt: bool, continue_final_message: bool
+) -> list[str]:
+    """`render_chat` as one string per message (and one for the generation prompt), joined
+    to the prompt. Each starts with a special token after a newline, so the tokenizer never
+    joins two parts into one token: tokenizing them one by one gives the prompt's tokens."""
     if not isinstance(messages, list) or not messages:
         raise TemplateError("messages must be a non-empty list")
     if continue_final_message and add_generation_prompt:
@@ -56,12 +71,12 @@ def render_chat(
     for message in messages:
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise TemplateError("each message must be an object with a string 'role'")
-        parts.append(f"{MESSAGE_START}{message['role']}\n{message_text(message.get('content'))}")
-        parts.append(MESSAGE_END)
+        text = message_text(message.get("content"))
+        parts.append(f"{MESSAGE_START}{message['role']}\n{text}{MESSAGE_END}")
     if continue_final_message:
         if messages[-1]["role"] != "assistant":
             raise TemplateError("continue_final_message needs a final assistant message")
-        parts.pop()
+        parts[-1] = parts[-1].removesuffix(MESSAGE_END)
     elif add_generation_prompt:
         parts.append(f"{MESSAGE_START}assistant\n")
-    return "".join(parts)
+    return parts

@@ -11,16 +11,21 @@ routed approximately.
 from __future__ import annotations
 
 import zlib
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Protocol
 
 from kvgate.routing.settings import TokenizerConfig
-from kvgate.sim_chat_template import TemplateError, render_chat
+from kvgate.sim_chat_template import TemplateError, render_chat_parts
 from kvgate.sim_tokenizer import tokenize
 
 # Distinct token texts whose ids the sim tokenizer remembers (a token's id is the CRC-32 of
 # its text; a dict lookup is a third of the call). Cleared when full: a bound, not an LRU.
 _SIM_VOCABULARY = 200_000
+# Token ids of rendered messages the sim tokenizer remembers (least recently used dropped
+# first; ≈ 8 MB of references and 4 MB of text): a shared system prompt or the earlier turns
+# of a conversation are tokenized once.
+_SIM_MESSAGE_TOKENS = 1_000_000
 
 
 class PromptTokenizer(Protocol):
@@ -31,31 +36,50 @@ class PromptTokenizer(Protocol):
 
 
 class SimTokenizer:
-    """The simulator's tokenizer and template: ids equal to those its KV events carry."""
+    """The simulator's tokenizer and template: ids equal to those its KV events carry.
+
+    A chat is tokenized message by message (`render_chat_parts`: no token spans two
+    messages), each rendered message's ids remembered, so only new messages cost a pass."""
 
     def __init__(self) -> None:
         self._ids: dict[str, int] = {}
+        self._messages: OrderedDict[str, list[int]] = OrderedDict()
+        self._remembered = 0  # ids held in `_messages`
 
     def prompt_ids(self, route: str, payload: dict[str, Any]) -> list[int] | None:
         if route == "chat":
             try:
-                text = render_chat(
+                parts = render_chat_parts(
                     payload.get("messages") or [],
                     add_generation_prompt=bool(payload.get("add_generation_prompt", True)),
                     continue_final_message=bool(payload.get("continue_final_message", False)),
                 )
             except TemplateError:
                 return None
-        elif route == "completions":
+            ids: list[int] = []
+            for part in parts:
+                ids += self._message_ids(part)
+            return ids
+        if route == "completions":
             prompt = payload.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1:
                 prompt = prompt[0]
             if not isinstance(prompt, str):
                 return None
-            text = prompt
-        else:
-            return None
-        return self._token_ids(tokenize(text))
+            return self._token_ids(tokenize(prompt))
+        return None
+
+    def _message_ids(self, part: str) -> list[int]:
+        memo = self._messages
+        ids = memo.get(part)
+        if ids is not None:
+            memo.move_to_end(part)
+            return ids
+        ids = memo[part] = self._token_ids(tokenize(part))
+        self._remembered += len(ids)
+        while self._remembered > _SIM_MESSAGE_TOKENS and len(memo) > 1:
+            self._remembered -= len(memo.popitem(last=False)[1])
+        return ids
 
     def _token_ids(self, tokens: list[str]) -> list[int]:
         ids = self._ids

@@ -5,6 +5,7 @@ a small Hugging Face tokenizer built here (no model hub), and the config keys ar
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,8 @@ from kvgate.config import ConfigError, parse_config
 from kvgate.routing.hf_tokenizer import HfTokenizer
 from kvgate.routing.prompt_tokens import SimTokenizer
 from kvgate.sim import EngineOptions, SimFleet
+from kvgate.sim_chat_template import render_chat
+from kvgate.sim_tokenizer import token_ids, tokenize
 from tests.conftest import gateway_config
 
 CHATS: list[dict[str, Any]] = [
@@ -57,6 +60,36 @@ def test_sim_tokenizer_counts_what_the_simulated_engine_counts():
             answer = httpx.post(f"{url}/v1/completions", json=body, timeout=10).json()
             ids = tokenizer.prompt_ids("completions", body)
             assert ids is not None and len(ids) == answer["usage"]["prompt_tokens"], prompt
+
+
+def test_sim_tokenizer_message_by_message_equals_the_whole_rendered_prompt():
+    rng = random.Random(15)
+    pieces = ["word", " ", "  ", "\n", "\t", "<|im_end|>", "<|im_start|>", "12345", "!", "é", " x"]
+    tokenizer = SimTokenizer()
+    for _ in range(300):
+        messages = [
+            {
+                "role": rng.choice(["system", "user", "assistant"]),
+                "content": "".join(rng.choice(pieces) for _ in range(rng.randrange(0, 12))),
+            }
+            for _ in range(rng.randrange(1, 5))
+        ]
+        options = rng.choice(
+            [
+                {"add_generation_prompt": True},
+                {"add_generation_prompt": False},
+                {"add_generation_prompt": False, "continue_final_message": True},
+            ]
+        )
+        if options.get("continue_final_message"):
+            messages[-1]["role"] = "assistant"
+        whole = render_chat(
+            messages,
+            add_generation_prompt=options["add_generation_prompt"],
+            continue_final_message=bool(options.get("continue_final_message")),
+        )
+        ids = tokenizer.prompt_ids("chat", {"messages": messages, **options})
+        assert ids == token_ids(tokenize(whole)), messages
 
 
 def test_sim_tokenizer_answers_none_for_what_it_cannot_reproduce():
