@@ -78,8 +78,10 @@ class PreciseRouting:
             self.stall_after if speculative_ttl is None else speculative_ttl,
         )
         self._tokenizers: dict[str, PromptTokenizer] = {}
-        self._tokenizer_configs: dict[str, TokenizerConfig] = {}
         self._sources: dict[str, _Source] = {}
+        # Per pool: the endpoints with KV events whose engines see the same token ids (pools
+        # with an equal tokenizer config), the ones a request homed there is matched on.
+        self._peers: dict[str, list[str]] = {}
         for i, (pool_config, pool) in enumerate(zip(config.pools, fleet.pools, strict=True)):
             try:
                 tokenizer = build_tokenizer(pool_config.tokenizer, config.folder)
@@ -88,7 +90,6 @@ class PreciseRouting:
             if tokenizer is None:
                 continue
             self._tokenizers[pool.name] = tokenizer
-            self._tokenizer_configs[pool.name] = pool_config.tokenizer
             for endpoint_config, endpoint in zip(
                 pool_config.endpoints, pool.endpoints, strict=True
             ):
@@ -99,6 +100,12 @@ class PreciseRouting:
                     endpoint.name, pool.name, events, pool_config.tokenizer
                 )
                 self.index.add_endpoint(endpoint.name, pool_config.tokenizer.block_size)
+        for pool_config in config.pools:
+            self._peers[pool_config.name] = [
+                name
+                for name, source in self._sources.items()
+                if source.tokenizer == pool_config.tokenizer
+            ]
         self._context: zmq.asyncio.Context | None = None
 
     @property
@@ -171,7 +178,6 @@ class PreciseRouting:
             subscriber is not None
             and subscriber.mode == PRECISE
             and not self.index.overflowed(endpoint)
-            and self.index.block_size(endpoint) is not None
         )
 
     # --- KvEventSink (the subscribers call these in each engine's order) ---------------
@@ -213,13 +219,10 @@ class PreciseRouting:
         ids = tokenizer.prompt_ids(ctx.route, ctx.payload)
         if ids is None:
             return None
-        same = self._tokenizer_configs[pool]  # type: ignore[index]  # pool is not None here
         by_size: dict[int, list[str]] = {}
-        for name, source in self._sources.items():
-            if source.tokenizer == same and self._precise(name):
-                size = self.index.block_size(name)
-                assert size is not None
-                by_size.setdefault(size, []).append(name)
+        for name in self._peers[pool]:  # type: ignore[index]  # a tokenizer means a pool
+            if self._precise(name):
+                by_size.setdefault(self.index.block_size(name), []).append(name)
         held: dict[str, int] = {}
         confirmed: dict[str, int] = {}
         keys: dict[int, list[int]] = {}
@@ -238,11 +241,10 @@ class PreciseRouting:
         if endpoint not in exact.held:
             return
         size = self.index.block_size(endpoint)
-        chain = exact.keys.get(size) if size is not None else None
+        chain = exact.keys.get(size)
         if chain is None:
             return
-        self.index.speculate(endpoint, chain)
-        assert size is not None
+        self.index.speculate(endpoint, chain[exact.confirmed[endpoint] // size :])
         if exact.prompt_tokens - exact.held[endpoint] >= size:
             subscriber = self._sources[endpoint].subscriber
             if subscriber is not None:

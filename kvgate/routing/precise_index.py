@@ -6,9 +6,9 @@ request's prompt, so the engine's own block hashes — salted per process — se
 resolve later `BlockRemoved` events and the parent of a stored run. Keys are hashes of int
 tuples, stable within the gateway process (ints hash the same under any PYTHONHASHSEED).
 
-Per key the index keeps a bit mask of the endpoints that hold it; `match` walks the prompt's
-keys once and, with a running mask, finds every endpoint's depth at once: the cost is one
-dict lookup per block the deepest holder has, whatever the number of endpoints.
+Per key the index keeps a bit mask of the endpoints that hold it; `match` bisects the
+prompt's keys for every endpoint at once: a few dozen dict lookups for a long prompt, whatever
+the number of endpoints.
 
 Between a routing decision and the engine's `BlockStored` (the prefill takes a while), the
 decision is a *speculative* entry for `speculative_ttl` seconds: a burst of requests with one
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvgate.routing.kv_events import BlockRemoved, BlockStored
@@ -32,6 +32,8 @@ from kvgate.routing.kv_events import BlockRemoved, BlockStored
 # Measured with tracemalloc (`benchmarks/routing.py --micro`): per held block, its entry in
 # the endpoint's hash → key map and in the index's key → holders map.
 BYTES_PER_BLOCK = 190
+# Tokens per block until config, telemetry or an event says otherwise (vLLM's default).
+DEFAULT_BLOCK_SIZE = 16
 _ROOT = 0x6B76_6761_7465  # the parent key of a prompt's first block
 
 
@@ -74,9 +76,10 @@ class PreciseIndex:
             bit = 1 << len(self._endpoints)
             self._endpoints[name] = _Endpoint(bit, self.default_max_blocks, block_size)
 
-    def block_size(self, name: str) -> int | None:
-        """The engine's block size in tokens (config, else its events), None while unknown."""
-        return self._endpoints[name].block_size
+    def block_size(self, name: str) -> int:
+        """The engine's block size in tokens: from config, its events or its metrics, else
+        `DEFAULT_BLOCK_SIZE` (an engine that has sent no event holds nothing anyway)."""
+        return self._endpoints[name].block_size or DEFAULT_BLOCK_SIZE
 
     def set_engine_size(self, name: str, num_blocks: int, block_size: int | None) -> None:
         """The engine reported its KV size: it never holds more blocks than that."""
@@ -175,34 +178,36 @@ class PreciseIndex:
     ) -> tuple[dict[str, int], dict[str, int]]:
         """For each of `endpoints` (which share the block size `keys` were made with): the
         leading blocks of `keys` it holds counting speculative entries, and confirmed by its
-        events alone; one pass over the keys for all of them."""
+        events alone.
+
+        An engine evicts a chain's blocks deepest first (least recently used, and a request's
+        blocks are freed tail first), so "holds block k ⇒ holds blocks < k", and the prefix
+        cache hits only the leading blocks anyway: the depths are found by bisection, all
+        endpoints at once (the endpoints holding the probed block go deeper, the others
+        shallower), in about log2(blocks) lookups per distinct depth."""
         now = time.monotonic() if now is None else now
         self._expire(now)
         names = {self._endpoints[name].bit: name for name in endpoints}
         wanted = sum(names)
         holders, speculative = self._holders.get, self._speculative.get
-        both, confirmed = dict.fromkeys(names.values(), 0), dict.fromkeys(names.values(), 0)
-        alive_both = alive_confirmed = wanted
-        for depth, key in enumerate(keys):
-            held = holders(key, 0) & wanted
+
+        def held_or_guessed(key: int) -> int:
+            mask = holders(key, 0)
             guessed = speculative(key)
             if guessed:
-                held_or_guessed = held | sum(b for b, t in guessed.items() if t > now) & wanted
-            else:
-                held_or_guessed = held
-            _settle(confirmed, names, alive_confirmed & ~held, depth)
-            _settle(both, names, alive_both & ~held_or_guessed, depth)
-            alive_confirmed &= held
-            alive_both &= held_or_guessed
-            if not alive_both:
-                return both, confirmed
-        _settle(confirmed, names, alive_confirmed, len(keys))
-        _settle(both, names, alive_both, len(keys))
+                for bit, until in guessed.items():
+                    if until > now:
+                        mask |= bit
+            return mask
+
+        both = _depths(keys, wanted, names, held_or_guessed)
+        confirmed = _depths(keys, wanted, names, lambda key: holders(key, 0))
         return both, confirmed
 
     def speculate(self, endpoint: str, keys: Sequence[int], now: float | None = None) -> None:
         """A request with these keys was just sent to `endpoint`: count them as held there
-        for `speculative_ttl` seconds (until its events confirm them)."""
+        for `speculative_ttl` seconds (until its events confirm them). Pass only the keys
+        its events do not confirm yet: the others need no guess."""
         if not keys:
             return
         now = time.monotonic() if now is None else now
@@ -232,9 +237,29 @@ class PreciseIndex:
                         del speculative[key]
 
 
-def _settle(depths: dict[str, int], names: dict[int, str], dropped: int, depth: int) -> None:
-    """Give every endpoint whose bit is in `dropped` the depth `depth`."""
-    while dropped:
-        low = dropped & -dropped
-        depths[names[low]] = depth
-        dropped ^= low
+def _depths(
+    keys: Sequence[int], wanted: int, names: dict[int, str], mask_at: Callable[[int], int]
+) -> dict[str, int]:
+    """Per endpoint of `wanted` (bits, named by `names`), how many leading `keys` it holds,
+    where `mask_at(key)` gives the bits of the endpoints holding `key` (see `match`)."""
+    depths = dict.fromkeys(names.values(), 0)
+    if not keys:
+        return depths
+    # (lo, hi, bits): each endpoint in `bits` holds keys[:lo] and lacks one of keys[lo:hi],
+    # or none of them when hi is the end.
+    pending = [(1, len(keys), mask_at(keys[0]) & wanted)]  # holding nothing: depth 0
+    while pending:
+        lo, hi, bits = pending.pop()
+        if not bits:
+            continue
+        if lo >= hi:
+            while bits:
+                low = bits & -bits
+                depths[names[low]] = lo
+                bits ^= low
+            continue
+        mid = (lo + hi) // 2
+        deeper = mask_at(keys[mid]) & bits
+        pending.append((mid + 1, hi, deeper))
+        pending.append((lo, mid, bits & ~deeper))
+    return depths

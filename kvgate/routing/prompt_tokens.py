@@ -85,12 +85,9 @@ class SimTokenizer:
         ids = self._ids
         if len(ids) > _SIM_VOCABULARY:
             ids.clear()
-        out = list(map(ids.get, tokens))
-        for i, value in enumerate(out):
-            if value is None:
-                token = tokens[i]
-                out[i] = ids[token] = zlib.crc32(token.encode())
-        return out  # type: ignore[return-value]  # every None was replaced
+        for token in set(tokens).difference(ids):
+            ids[token] = zlib.crc32(token.encode())
+        return list(map(ids.__getitem__, tokens))
 
 
 def build_tokenizer(config: TokenizerConfig, folder: Path | None) -> PromptTokenizer | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 from kvgate.routing.kv_events import BlockRemoved, BlockStored
 from kvgate.routing.precise_index import PreciseIndex, block_keys
 
@@ -96,7 +98,9 @@ def test_speculative_entries_count_until_they_expire_and_are_not_confirmed():
 
 def test_a_new_block_size_replaces_what_the_endpoint_held():
     built = index("a")
+    assert built.block_size("a") == 16  # vLLM's default until something says otherwise
     built.stored("a", stored(PROMPT[:8], [1, 2]))
+    assert built.block_size("a") == B
     built.stored("a", BlockStored((9,), None, tuple(PROMPT[:8]), 8))
     assert built.block_size("a") == 8 and built.blocks("a") == 1
 
@@ -107,3 +111,24 @@ def test_block_keys_chain_and_stop_at_the_limit():
     assert block_keys(PROMPT[:4] + [0] * 8, B, 3)[0] == keys[0]
     assert block_keys(PROMPT[:4] + [0] * 8, B, 3)[1] != keys[1]
     assert block_keys([0] * 4 + PROMPT[4:12], B, 3)[1] != keys[1]  # chained: the parent counts
+
+
+def test_bisection_finds_every_endpoints_depth_as_a_walk_would():
+    rng = random.Random(15)
+    tokens = [rng.randrange(1000) for _ in range(B * 300)]
+    keys = block_keys(tokens, B, 300)
+    for _ in range(40):
+        names = [f"e{i}" for i in range(rng.randrange(1, 70))]
+        built = index(*names, speculative_ttl=5.0)
+        expected_confirmed, expected_both = {}, {}
+        for name in names:
+            held = rng.choice([0, 0, rng.randrange(300), 300, rng.randrange(3)])
+            if held:
+                hashes = [rng.getrandbits(64) for _ in range(held)]
+                built.stored(name, stored(tokens[: held * B], hashes))
+            guessed = rng.choice([0, rng.randrange(300 - held + 1)])
+            built.speculate(name, keys[held : held + guessed], now=0.0)
+            expected_confirmed[name], expected_both[name] = held, held + guessed
+        both, confirmed = built.match(keys, names, now=1.0)
+        assert confirmed == expected_confirmed
+        assert both == expected_both
