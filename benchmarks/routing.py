@@ -25,7 +25,9 @@ Every cell (workload x load x router) starts a fresh simulated fleet (realistic 
 round-robin cell at a searched load is the search's own probe at that rate (same requests,
 fresh fleet). `--repeats N` runs each cell N times and reports the median of each figure
 (failures: the sum). Routers: `random`, `round_robin`, `least_loaded` and `kvgate` are pool
-policies of `kvgate serve`; `sglang` is sglang-router with `--policy cache_aware`
+policies of `kvgate serve`; `precise` is the `kvgate` policy routing on the engines' KV events
+(the fleet started with `--kv-events`, the pool with the sim tokenizer); `sglang` is
+sglang-router with `--policy cache_aware`
 (peer_router.py). Ideals per workload and load (cache_ideals.py): the infinite-cache hit rate
 and that of one LRU cache with the fleet's whole KV memory (engines x `--kv-blocks` x 16
 tokens); each router's hit (cached_tokens over prompt tokens) is shown as a fraction of the
@@ -58,6 +60,7 @@ import decision_cost
 import httpx
 import orjson
 import peer_router
+import precise_cost
 import routing_report
 from cache_ideals import cache_ideals
 from routing_report import Row
@@ -65,7 +68,9 @@ from services import BENCH_DIR, PYTHON, append_results, free_port, gateway, stop
 from workloads import MODEL, TRACE_OF, WORKLOADS, Planned, add_arguments
 
 GATEWAY_POLICIES = ("random", "round_robin", "least_loaded", "kvgate")
-ROUTERS = (*GATEWAY_POLICIES, peer_router.NAME)
+# kvgate's policy routing on the engines' KV events (the simulator's `--kv-events`).
+PRECISE = "precise"
+ROUTERS = (*GATEWAY_POLICIES, PRECISE, peer_router.NAME)
 LOADS = {"light": 1.0, "3x": 3.0, "10x": 10.0}
 # Rates far under the fleet's capacity on each workload (the unloaded reference).
 DEFAULT_LIGHT = "shared=12;sessions=12;mooncake=8;azure=10;agents=8"
@@ -86,6 +91,7 @@ def serve_sim(args: argparse.Namespace) -> None:
             speed=args.speed,
             kv_blocks=args.kv_blocks,
             max_num_seqs=args.max_num_seqs,
+            kv_events=args.kv_events,
         )
         done = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -93,6 +99,8 @@ def serve_sim(args: argparse.Namespace) -> None:
         lags: list[float] = []
         async with SimFleet(args.engines, 0, options) as fleet:
             print(" ".join(fleet.urls), flush=True)
+            events = [e.kv_events for e in fleet.engines]
+            print(" ".join(f"{e.url},{e.replay_url}" for e in events if e is not None), flush=True)
             while not done.is_set():
                 before = loop.time()
                 await asyncio.sleep(0.02)
@@ -113,7 +121,10 @@ def serve_sim(args: argparse.Namespace) -> None:
 
 
 @contextlib.contextmanager
-def sim_fleet(args: argparse.Namespace, lag_file: Path) -> Iterator[list[str]]:
+def sim_fleet(
+    args: argparse.Namespace, lag_file: Path, kv_events: bool = False
+) -> Iterator[tuple[list[str], list[str]]]:
+    """The fleet's URLs and, with `kv_events`, each engine's "pub,replay" event sockets."""
     proc = subprocess.Popen(
         [
             PYTHON,
@@ -129,6 +140,7 @@ def sim_fleet(args: argparse.Namespace, lag_file: Path) -> Iterator[list[str]]:
             str(args.max_num_seqs),
             "--lag-file",
             str(lag_file),
+            *(["--kv-events"] if kv_events else []),
         ],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
@@ -137,27 +149,37 @@ def sim_fleet(args: argparse.Namespace, lag_file: Path) -> Iterator[list[str]]:
     try:
         assert proc.stdout is not None
         urls = proc.stdout.readline().split()
+        events = proc.stdout.readline().split()
         if len(urls) != args.engines:
             raise RuntimeError("the simulated fleet did not start")
         for url in urls:
             wait_ready(proc, int(url.rsplit(":", 1)[1]), "/health")
-        yield urls
+        yield urls, events
     finally:
         stop(proc)
 
 
-def gateway_yaml(port: int, urls: list[str], policy: str) -> str:
-    endpoints = ", ".join(f'{{url: "{u}"}}' for u in urls)
+def gateway_yaml(port: int, urls: list[str], policy: str, events: list[str] | None = None) -> str:
+    """`events`: "pub,replay" per endpoint for precise routing (the sim tokenizer)."""
+    entries = []
+    for i, url in enumerate(urls):
+        if events:
+            pub, replay = events[i].split(",")
+            entries.append(f'{{url: "{url}", kv_events: {{url: "{pub}", replay_url: "{replay}"}}}}')
+        else:
+            entries.append(f'{{url: "{url}"}}')
+    endpoints = ", ".join(entries)
+    tokenizer = ", tokenizer: {kind: sim}" if events else ""
     return (
         f"server: {{host: 127.0.0.1, port: {port}, access_log: false}}\n"
         "auth: none\n"
         f"pools:\n  - {{name: sim, engine: vllm, models: [{MODEL}], policy: {policy}, "
-        f"endpoints: [{endpoints}]}}\n"
+        f"endpoints: [{endpoints}]{tokenizer}}}\n"
     )
 
 
 @contextlib.contextmanager
-def front(router: str, urls: list[str], workdir: Path) -> Iterator[str]:
+def front(router: str, urls: list[str], workdir: Path, events: list[str]) -> Iterator[str]:
     """The router under test in front of the fleet at `urls`; yields its base URL."""
     if router == peer_router.NAME:
         with peer_router.sglang_router(urls, workdir) as base:
@@ -165,7 +187,10 @@ def front(router: str, urls: list[str], workdir: Path) -> Iterator[str]:
         return
     port = free_port()
     config = workdir / "gateway.yaml"
-    config.write_text(gateway_yaml(port, urls, router))
+    if router == PRECISE:
+        config.write_text(gateway_yaml(port, urls, "kvgate", events))
+    else:
+        config.write_text(gateway_yaml(port, urls, router))
     with gateway(config, port):
         yield f"http://127.0.0.1:{port}"
 
@@ -242,7 +267,10 @@ def run_cell(args: argparse.Namespace, router: str, plans: list[Planned]) -> dic
         workdir = Path(tmp)
         lag_file = workdir / "lag.json"
         try:
-            with sim_fleet(args, lag_file) as urls, front(router, urls, workdir) as base:
+            with (
+                sim_fleet(args, lag_file, router == PRECISE) as (urls, events),
+                front(router, urls, workdir, events) as base,
+            ):
                 results, elapsed = asyncio.run(replay(base, plans))
                 engine_stats = [httpx.get(u + "/sim/stats").json() for u in urls]
                 drift = index_drift(base) if router != peer_router.NAME else math.nan
@@ -446,7 +474,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"of {','.join(WORKLOADS)}")
     p.add_argument(
         "--routers",
-        default="round_robin,least_loaded,kvgate,sglang",
+        default="round_robin,least_loaded,kvgate,precise,sglang",
         help=f"of {','.join(ROUTERS)}, or a kvgate policy file (.yaml)",
     )
     p.add_argument("--loads", default="light,3x,10x", help="of light,3x,10x")
@@ -482,6 +510,7 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--serve-sim", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--lag-file", default="", help=argparse.SUPPRESS)
+    p.add_argument("--kv-events", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     for name, known in (("workloads", WORKLOADS), ("routers", ROUTERS), ("loads", LOADS)):
         unknown = set(getattr(args, name).split(",")) - set(known)
@@ -536,7 +565,7 @@ def main() -> int:
     if args.serve_sim:
         serve_sim(args)
         return 0
-    micro_out = {} if args.no_micro else decision_cost.micro()
+    micro_out = {} if args.no_micro else {**decision_cost.micro(), **precise_cost.micro()}
     if micro_out:
         print(json.dumps(micro_out, indent=1), flush=True)
     rows: list[Row] = []
@@ -557,7 +586,7 @@ def main() -> int:
         "",
     ]
     if micro_out:
-        section += [decision_cost.summary(micro_out), ""]
+        section += [decision_cost.summary(micro_out), "", precise_cost.summary(micro_out), ""]
     if rows:
         section += routing_report.sections(rows, args, searches)
         if routing_report.plot(rows, args.out):

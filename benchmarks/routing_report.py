@@ -10,7 +10,7 @@ from typing import Any
 
 from cache_ideals import CacheIdeals
 
-COLUMN_NAMES = {"sglang": "sglang-router cache_aware"}
+COLUMN_NAMES = {"sglang": "sglang-router cache_aware", "precise": "kvgate precise (KV events)"}
 LOADED = ("3x", "10x")
 
 
@@ -149,6 +149,20 @@ def targets(rows: list[Row]) -> list[str]:
                 f"({_verdict(row.hit_of_lru >= 0.9)} ≥ 90%), {row.stats['failed']} failed "
                 f"({_verdict(row.stats['failed'] == 0)} zero), index drift {_pct(drift)} of "
                 f"predicted tokens ({_verdict(not drift > 0.05)} ≤ 5%)"
+            )
+        if row.router == "precise" and row.ran:  # issue 15's targets
+            approximate = by.get((row.load, "kvgate"))
+            versus = ""
+            if approximate is not None:
+                mine, theirs = row.stats["ttft_p90"], approximate.stats["ttft_p90"]
+                versus = (
+                    f", TTFT p90 {mine:.2f} s vs approximate {theirs:.2f} s "
+                    f"({_verdict(mine <= theirs)} no worse)"
+                )
+            out.append(
+                f"{row.load}: precise hit {row.hit_of_lru:.0%} of the fleet-LRU ideal "
+                f"({_verdict(row.hit_of_lru >= 0.95)} ≥ 95%){versus}, {row.stats['failed']} "
+                f"failed"
             )
     return [f"- {line}" for line in out]
 
