@@ -63,6 +63,22 @@ def wait_for(condition: Callable[[], bool], seconds: float = 10.0) -> None:
         time.sleep(0.02)
 
 
+def caught_up(app: GatewayApp, fleet: SimFleet) -> None:
+    """Wait until every batch each engine published was applied by its subscriber."""
+    precise = app.routing.precise
+    assert precise is not None
+
+    def applied() -> bool:
+        for endpoint, engine in zip(app.fleet.endpoints, fleet.engines, strict=True):
+            counters = precise.counters(endpoint.name)
+            assert engine.kv_events is not None
+            if counters is None or counters.batches_applied < engine.kv_events.batches_published:
+                return False
+        return True
+
+    wait_for(applied)
+
+
 def modes(app: GatewayApp) -> dict[str, str]:
     precise = app.routing.precise
     assert precise is not None
@@ -88,6 +104,7 @@ def test_precise_index_agrees_with_the_engines_and_places_shared_prefixes(
             ],
         )
         chosen.setdefault(group, set()).add(raw.headers["x-kvgate-endpoint"])
+        caught_up(app, engines)  # steady state: what the engines published has arrived
         completion = raw.parse()
         assert completion.usage is not None and completion.usage.prompt_tokens_details is not None
         if turn < len(SYSTEMS):
@@ -138,7 +155,7 @@ def test_a_stopped_publisher_falls_back_within_three_intervals_and_recovers(
             break
     elapsed = time.monotonic() - stopped
     assert modes(app)[first] == "approximate", served
-    assert elapsed < 3 * SCRAPE + 1.5  # the stall limit (3 intervals) plus slack for CI
+    assert elapsed < 3 * SCRAPE + 3.0  # the stall limit (3 intervals) plus slack for CI
     assert httpx.get(server.url + "/readyz").json()["approximate_endpoints"] == [first]
     metrics = httpx.get(server.url + "/metrics").text
     assert sample_value(metrics, "kvgate_kv_events_precise", endpoint=first, reason="stalled") == 0
