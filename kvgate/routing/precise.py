@@ -48,7 +48,6 @@ class _Source:
     """One endpoint whose engine publishes KV events."""
 
     name: str
-    pool: str
     events: EndpointKvEventsConfig
     tokenizer: TokenizerConfig
     subscriber: KvEventSubscriber | None = None
@@ -58,9 +57,9 @@ class PreciseRouting:
     """Subscribers, precise index and tokenizers of every pool configured for KV events.
 
     Raises ConfigError when a pool's tokenizer cannot be loaded. `start()` / `stop()` run the
-    subscribers (the app's lifespan). `match(ctx)` is the
-    producer step's precise part; `decided` records a decision; `mode(endpoint)` is what the
-    operator surfaces read (`/readyz`, metrics, the admin endpoint list).
+    subscribers (the app's lifespan). `match(ctx)` is the producer step's precise part;
+    `decided` records a decision; `mode(endpoint)` is what the operator surfaces read
+    (`/readyz`, metrics, the admin endpoint list).
     """
 
     def __init__(
@@ -96,9 +95,7 @@ class PreciseRouting:
                 events = pool_config.kv_events_of(endpoint_config)
                 if events is None:
                     continue
-                self._sources[endpoint.name] = _Source(
-                    endpoint.name, pool.name, events, pool_config.tokenizer
-                )
+                self._sources[endpoint.name] = _Source(endpoint.name, events, pool_config.tokenizer)
                 self.index.add_endpoint(endpoint.name, pool_config.tokenizer.block_size)
         for pool_config in config.pools:
             self._peers[pool_config.name] = [
