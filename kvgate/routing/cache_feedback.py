@@ -96,6 +96,15 @@ class CacheFeedback:
             return
         prompt = ctx.usage.get("prompt_tokens")
         name = endpoint.name
+        drift = self.drift.get(name)
+        if drift is None:
+            drift = self.drift[name] = EndpointDrift()
+        exact = prefix.exact
+        if exact is not None and name in exact.confirmed:  # the whole prompt, in engine tokens
+            if exact.confirmed[name] == cached:
+                drift.exact_agreed += 1
+            else:
+                drift.exact_disagreed += 1
         per_block = prefix.tokens_per_block
         # The index sees only the prompt's first `max_blocks` blocks: an engine holding more of
         # a long prompt is right, not the index wrong, so only that span is compared.
@@ -107,17 +116,8 @@ class CacheFeedback:
             predicted = round(prompt * predicted / prefix.prompt_tokens)
             covered = round(prompt * covered / prefix.prompt_tokens)
         cached = min(cached, covered)
-        drift = self.drift.get(name)
-        if drift is None:
-            drift = self.drift[name] = EndpointDrift()
         drift.predicted_tokens += predicted
         drift.cached_tokens += cached
-        exact = prefix.exact
-        if exact is not None and name in exact.confirmed:
-            if exact.confirmed[name] == cached:
-                drift.exact_agreed += 1
-            else:
-                drift.exact_disagreed += 1
         engine_block = self._engine_block_tokens.get(name, ENGINE_BLOCK_TOKENS)
         tolerance = max(engine_block + per_block, DRIFT_TOLERANCE * predicted)
         if cached + tolerance < predicted:
