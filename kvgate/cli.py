@@ -21,6 +21,7 @@ from kvgate.http_server import use_header_timeout
 from kvgate.observability.log_format import LOG_FORMATS, logging_config
 from kvgate.routing.policy import RoutingPolicy
 from kvgate.routing.policy_catalog import BUILTIN, load_policies, shipped_names, shipped_text
+from kvgate.routing.prompt_tokens import load_tokenizers
 from kvgate.serving import uvicorn_options
 
 if TYPE_CHECKING:
@@ -32,7 +33,9 @@ def _loaded(path: Path) -> tuple[Config, dict[str, RoutingPolicy]] | None:
     (config and policies alike)."""
     try:
         config = load_config(path)
-        return config, load_policies(config)
+        policies = load_policies(config)
+        load_tokenizers(config)  # a pool's tokenizer directory must load
+        return config, policies
     except ConfigError as exc:
         for problem in exc.problems:
             print(f"{exc.source}: {problem}", file=sys.stderr)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import zmq.asyncio
 
-from kvgate.config import Config, ConfigError
+from kvgate.config import Config
 from kvgate.routing.endpoints import Fleet
 from kvgate.routing.kv_events import (
     APPROXIMATE,
@@ -32,7 +32,7 @@ from kvgate.routing.kv_events import (
 )
 from kvgate.routing.match import ExactMatch
 from kvgate.routing.precise_index import PreciseIndex, block_keys
-from kvgate.routing.prompt_tokens import PromptTokenizer, build_tokenizer
+from kvgate.routing.prompt_tokens import load_tokenizers
 from kvgate.routing.settings import EndpointKvEventsConfig, TokenizerConfig
 from kvgate.routing.telemetry import EngineTelemetry
 from kvgate.types import RequestContext
@@ -76,19 +76,14 @@ class PreciseRouting:
             routing.prefix.max_capacity,
             self.stall_after if speculative_ttl is None else speculative_ttl,
         )
-        self._tokenizers: dict[str, PromptTokenizer] = {}
+        self._tokenizers = load_tokenizers(config)
         self._sources: dict[str, _Source] = {}
         # Per pool: the endpoints with KV events whose engines see the same token ids (pools
         # with an equal tokenizer config), the ones a request homed there is matched on.
         self._peers: dict[str, list[str]] = {}
-        for i, (pool_config, pool) in enumerate(zip(config.pools, fleet.pools, strict=True)):
-            try:
-                tokenizer = build_tokenizer(pool_config.tokenizer, config.folder)
-            except ValueError as error:
-                raise ConfigError(config.source, [f"pools[{i}].tokenizer: {error}"]) from None
-            if tokenizer is None:
+        for pool_config, pool in zip(config.pools, fleet.pools, strict=True):
+            if pool.name not in self._tokenizers:
                 continue
-            self._tokenizers[pool.name] = tokenizer
             for endpoint_config, endpoint in zip(
                 pool_config.endpoints, pool.endpoints, strict=True
             ):

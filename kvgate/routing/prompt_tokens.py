@@ -15,6 +15,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Protocol
 
+from kvgate.config import Config, ConfigError
 from kvgate.routing.settings import TokenizerConfig
 from kvgate.sim_chat_template import TemplateError, render_chat_parts
 from kvgate.sim_tokenizer import tokenize
@@ -108,3 +109,21 @@ def build_tokenizer(config: TokenizerConfig, folder: Path | None) -> PromptToken
             path = folder / path
         return HfTokenizer.load(path)
     return None
+
+
+def load_tokenizers(config: Config) -> dict[str, PromptTokenizer]:
+    """Every pool's tokenizer, by pool name (pools with `kind: none` have none); ConfigError
+    lists every pool whose tokenizer cannot be loaded (also run by `kvgate check-config`)."""
+    tokenizers: dict[str, PromptTokenizer] = {}
+    problems: list[str] = []
+    for i, pool in enumerate(config.pools):
+        try:
+            tokenizer = build_tokenizer(pool.tokenizer, config.folder)
+        except ValueError as error:
+            problems.append(f"pools[{i}].tokenizer: {error}")
+            continue
+        if tokenizer is not None:
+            tokenizers[pool.name] = tokenizer
+    if problems:
+        raise ConfigError(config.source, problems)
+    return tokenizers

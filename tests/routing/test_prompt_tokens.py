@@ -14,6 +14,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from kvgate.app import GatewayApp
+from kvgate.cli import main
 from kvgate.config import ConfigError, parse_config
 from kvgate.routing.hf_tokenizer import HfTokenizer
 from kvgate.routing.prompt_tokens import SimTokenizer
@@ -186,3 +187,15 @@ def test_kv_events_config_resolves_per_endpoint_and_is_validated(tmp_path):
     missing = _config({"tokenizer": {"kind": "hf", "path": str(tmp_path / "nowhere")}})
     with pytest.raises(ConfigError, match=r"pools\[0\].tokenizer: cannot load"):
         GatewayApp(parse_config(missing))
+
+
+def test_check_config_loads_each_pools_tokenizer(tmp_path, capsys):
+    config = tmp_path / "gateway.yaml"
+    config.write_text(
+        "pools:\n  - name: gpu\n    endpoints: [{url: 'http://e:8000'}]\n"
+        "    tokenizer: {kind: hf, path: missing-dir}\n"
+    )
+    assert main(["check-config", str(config)]) == 1
+    assert "pools[0].tokenizer: cannot load" in capsys.readouterr().err
+    _tiny_tokenizer(tmp_path / "missing-dir", {"chat_template": CHATML})
+    assert main(["check-config", str(config)]) == 0
