@@ -191,8 +191,9 @@ async def _decisions(out: dict[str, Any]) -> None:
             decisions.append(elapsed)
             exact = ctx.prefix.exact if ctx.prefix is not None else None
             holders_found += exact is not None and max(exact.held.values()) > 0
+            asked = payload(i + 1_000_000, systems[i % 32])  # a known system, a new question
             started = time.perf_counter()
-            tokenizer.prompt_ids("chat", body)
+            tokenizer.prompt_ids("chat", asked)
             tokenize_shared.append((time.perf_counter() - started) * 1e6)
             if i % 10 == 0:
                 fresh = payload(i, words(rng, 6_000))
