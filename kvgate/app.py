@@ -14,6 +14,7 @@ import time
 from collections.abc import Mapping
 
 import orjson
+from opentelemetry.sdk.trace.export import SpanExporter
 
 from kvgate.admin_listener import is_admin_route, unknown_route
 from kvgate.asgi import JSON, Receive, Scope, Send, send_bytes, send_error
@@ -36,6 +37,7 @@ from kvgate.observability.precise import PreciseCollector
 from kvgate.observability.resilience import BreakerStateCollector
 from kvgate.observability.routing import RoutingCollector
 from kvgate.observability.state import StateCollector
+from kvgate.observability.tracing import build_tracing
 from kvgate.request_options import REQUEST_ID, parse_request_options, request_id_from
 from kvgate.routing.endpoints import Fleet, build_pool
 from kvgate.routing.health import HealthMonitor
@@ -79,9 +81,16 @@ def build_store(config: StateConfig) -> MemoryStore | RedisStore:
 class GatewayApp:
     """Assembled from a validated Config; raises ConfigError when a pool's routing policy
     cannot be loaded (`kvgate check-config` reports the same problems). `metrics` is the
-    process's instruments when an app built from an earlier config hands them on (reload)."""
+    process's instruments when an app built from an earlier config hands them on (reload).
+    `span_exporter` receives the spans in place of the configured exporter when tracing is
+    on (tests read them in memory)."""
 
-    def __init__(self, config: Config, metrics: GatewayMetrics | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        metrics: GatewayMetrics | None = None,
+        span_exporter: SpanExporter | None = None,
+    ) -> None:
         self.config = config
         # Set when the process starts to drain (SIGTERM): /readyz answers 503 from then on.
         self.draining = False
@@ -105,6 +114,8 @@ class GatewayApp:
         self.metrics.configure(config)
         self.pricing = Pricing(config.pools, self.fleet.endpoints)
         self.access_log = AccessLog(enabled=config.server.access_log)
+        # None unless `observability.tracing` (or OTEL_*) turns tracing on.
+        self.tracing = build_tracing(config.observability.tracing, span_exporter)
         self.tenants = TenantDirectory(config.auth, config.tiers)
         self.classifier = Classifier(config.classification)
         self.admission = AdmissionController(
@@ -169,6 +180,7 @@ class GatewayApp:
                 picker=self.picker,
             ),
             settle=self._settle,
+            tracing=self.tracing,
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -242,6 +254,9 @@ class GatewayApp:
         await self.health.stop()
         await self.client.aclose()
         await self.transport.aclose()
+        if self.tracing is not None:
+            # Flushing may wait on the collector: off the event loop, which still serves.
+            await asyncio.to_thread(self.tracing.shutdown)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:

@@ -280,13 +280,31 @@ class StateConfig(_Strict):
         return value
 
 
+class TracingConfig(_Strict):
+    """OpenTelemetry traces of requests (docs/observability.md). A key left out falls back to
+    the standard OTEL_* environment variables, then to its default (`exporter`: none)."""
+
+    exporter: Literal["otlp", "console", "none"] | None = None
+    # The OTLP traces URL, used as given (http/protobuf: http://collector:4318/v1/traces).
+    endpoint: str | None = None
+    sample_ratio: float | None = Field(None, ge=0, le=1)
+
+    @field_validator("endpoint")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(r"https?://", value):
+            raise ValueError("must be an http:// or https:// URL")
+        return value
+
+
 class ObservabilityConfig(_Strict):
-    """Metrics settings (docs/observability.md)."""
+    """Metrics and traces settings (docs/observability.md)."""
 
     # Distinct tenant and model label values each process reports; more become `other`. 100
     # keeps the families labelled by tenant, model and pool to a few thousand series per
     # process even with several pools, which one Prometheus scrape handles easily.
     max_label_values: int = Field(100, ge=1)
+    tracing: TracingConfig = TracingConfig()
 
 
 class Config(_Strict):

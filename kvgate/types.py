@@ -85,6 +85,11 @@ class RequestContext:
     attempts: int = 0
     resumes: int = 0
     resume_overhead_tokens: int = 0
+    # The model the engine named in the answer it reported usage with (None: not reported).
+    response_model: str | None = None
+    # This request's trace (kvgate/observability/tracing.py); None when tracing is off, and
+    # then nothing on the request path touches OpenTelemetry.
+    trace: RequestTrace | None = None
     _finishers: list[Callable[[RequestContext], None]] = field(default_factory=list)
 
     def on_finish(self, callback: Callable[[RequestContext], None]) -> None:
@@ -101,6 +106,40 @@ class RequestContext:
                 errors.append(exc)
         if errors:
             raise errors[0]
+
+
+class TraceSpan(Protocol):
+    """One timed step of a traced request."""
+
+    def set(self, key: str, value: str | int | float | bool) -> None:
+        """Record an attribute of the step."""
+
+    def headers(self) -> Headers:
+        """The W3C trace-context headers (`traceparent`, `tracestate`) naming this span as
+        the parent, for a request this step sends."""
+        ...
+
+    def end(self, error: str | None = None) -> None:
+        """End the step; `error` is the error code that failed it, if any. Only the first
+        call counts."""
+
+
+class RequestTrace(Protocol):
+    """The trace of one request: a span for the request, children for its steps. Made at the
+    start of the chain when tracing is on; the chain ends it with `finish` after settling.
+    A new span's parent is the innermost span of the request still open (a request's steps
+    run one after the other)."""
+
+    def span(self, name: str) -> TraceSpan:
+        """A new step of the request."""
+        ...
+
+    def attempt(self, endpoint: Endpoint) -> TraceSpan:
+        """A new span for one upstream attempt to `endpoint`, the `ctx.attempts`-th."""
+        ...
+
+    def finish(self) -> None:
+        """End the request's span with what the context says about the outcome."""
 
 
 class Stage(Protocol):

@@ -230,6 +230,7 @@ class AdmissionController:
             wait_until = min(wait_until, waiter.enqueued + max_wait)
         self._make_room(waiter)
         self._enqueue(waiter)
+        span = None if ctx.trace is None else ctx.trace.span("kvgate.admission.wait")
         try:
             async with asyncio.timeout(max(0.0, wait_until - time.perf_counter())):
                 await waiter.future
@@ -246,6 +247,8 @@ class AdmissionController:
             waiter.resumed.set()
             if not waiter.granted:
                 self._leave(waiter, "gone")
+            if span is not None:
+                span.end(None if waiter.granted else "not_admitted")
 
     def _prefill_seconds(self, ctx: RequestContext) -> float:
         """Predicted prefill time of a waiting request, for shortest-prefill-first ordering."""

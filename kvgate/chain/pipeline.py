@@ -7,29 +7,49 @@ chain, its error goes to the client (before the commit point), and every resourc
 is released by `ctx.finish()`. A client disconnect cancels the chain wherever it is;
 `end_requests` (the end of a drain) cancels every request in the chain and answers each with
 an error: a stream gets it as its last event.
+
+With tracing on (`tracing` given), the request gets a trace whose span ends after settling,
+so a stream's span ends with the stream; each stage runs inside a child span named
+`kvgate.<stage>` (AuthStage: `kvgate.auth`, ModelFallbackStage: `kvgate.model_fallback`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from kvgate.asgi import Receive, Send, send_error
 from kvgate.errors import GatewayBug, KvgateError
 from kvgate.request_options import REQUEST_ID
-from kvgate.types import Forward, RequestContext, Stage
+from kvgate.types import Forward, RequestContext, RequestTrace, Stage
 
 log = logging.getLogger("kvgate.chain")
 
 
+class Tracing(Protocol):
+    """Where request traces come from (kvgate/observability/tracing.py)."""
+
+    def start(self, ctx: RequestContext) -> RequestTrace:
+        """The trace of a request that has just entered the chain."""
+        ...
+
+
 class RequestChain:
     def __init__(
-        self, stages: Sequence[Stage], forward: Forward, settle: Callable[[RequestContext], None]
+        self,
+        stages: Sequence[Stage],
+        forward: Forward,
+        settle: Callable[[RequestContext], None],
+        tracing: Tracing | None = None,
     ) -> None:
         self.stages = tuple(stages)
         self.forward = forward
         self.settle = settle
+        self.tracing = tracing
+        self._span_names = tuple(_span_name(stage) for stage in self.stages)
         self._running: set[asyncio.Task[object]] = set()
         self._ending: KvgateError | None = None
 
@@ -46,9 +66,15 @@ class RequestChain:
         assert task is not None
         self._running.add(task)
         watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, task, ctx))
+        if self.tracing is not None:
+            ctx.trace = self.tracing.start(ctx)
         try:
-            for stage in self.stages:
-                await stage(ctx)
+            if ctx.trace is None:
+                for stage in self.stages:
+                    await stage(ctx)
+            else:
+                for stage, name in zip(self.stages, self._span_names, strict=True):
+                    await _traced(stage, ctx, ctx.trace, name)
             await self.forward(ctx, send)
             if ctx.outcome == "pending":
                 ctx.outcome = "ok"
@@ -73,7 +99,33 @@ class RequestChain:
             try:
                 ctx.finish()
             finally:
-                self.settle(ctx)
+                try:
+                    self.settle(ctx)
+                finally:
+                    if ctx.trace is not None:
+                        ctx.trace.finish()
+
+
+async def _traced(stage: Stage, ctx: RequestContext, trace: RequestTrace, name: str) -> None:
+    span = trace.span(name)
+    try:
+        await stage(ctx)
+    except KvgateError as error:
+        span.end(str(error.code))
+        raise
+    except asyncio.CancelledError:
+        span.end("cancelled")
+        raise
+    except Exception:
+        span.end("internal_error")
+        raise
+    span.end()
+
+
+def _span_name(stage: Stage) -> str:
+    """`kvgate.` and the stage's class name in snake case, without `Stage`."""
+    words = re.findall(r"[A-Z][a-z0-9]*", type(stage).__name__.removesuffix("Stage"))
+    return "kvgate." + "_".join(w.lower() for w in words)
 
 
 async def _answer_error(ctx: RequestContext, send: Send, error: KvgateError) -> None:

@@ -86,9 +86,16 @@ class AttemptRelay:
         record = self.resilience.begin(endpoint)
         if record is None:
             raise Throttled
+        ctx.attempts += 1
+        span = None if ctx.trace is None else ctx.trace.attempt(endpoint)
         request = _Request(
             endpoint.url + ctx.upstream_path,
-            upstream_headers(ctx.client_headers, ctx.request_id, endpoint.auth_header),
+            upstream_headers(
+                ctx.client_headers,
+                ctx.request_id,
+                endpoint.auth_header,
+                None if span is None else span.headers(),
+            ),
             body,
             limits.connect,
         )
@@ -97,7 +104,6 @@ class AttemptRelay:
         first_token = limits.first_token
         if record.probe:
             first_token = min(first_token, self.resilience.settings.breaker.probe_timeout)
-        ctx.attempts += 1
         if ctx.sent_at is None:
             ctx.sent_at = time.perf_counter()
         endpoint.begin_attempt(ctx)
@@ -118,15 +124,23 @@ class AttemptRelay:
                 await self._relay_unary(ctx, request, send, deadline)
             record.succeeded()
             endpoint.record_success()
+            if span is not None:
+                span.end(None if ctx.outcome == "pending" else ctx.outcome)
         except StreamBroken as broken:
             record.failed(judge(broken.error, limits.client_shortened))
+            if span is not None:
+                span.end(str(broken.error.code))
             raise
         except KvgateError as error:
             record.failed(judge(error, limits.client_shortened))
+            if span is not None:
+                span.end(str(error.code))
             raise
         finally:
             record.abandoned()  # no-op unless the attempt ended without a verdict
             endpoint.end_attempt(ctx)
+            if span is not None:
+                span.end("interrupted")  # cancelled (the client left) or a gateway bug
 
     @asynccontextmanager
     async def _opened(
@@ -171,7 +185,7 @@ class AttemptRelay:
                     code="upstream_malformed_body",
                 )
             ctx.status = response.status
-            ctx.usage = _answer_usage(body)
+            ctx.usage, ctx.response_model = _answer_usage(body)
             ctx.responded = True
             await send_bytes(
                 send, response.status, body, content_type.encode(), _response_headers(ctx)
@@ -263,6 +277,7 @@ class AttemptRelay:
             else:
                 ctx.relayed_events += scanner.data_events
                 ctx.usage = scanner.usage
+                ctx.response_model = scanner.model
                 if transcript is not None and transcript.continuing:
                     ctx.usage = transcript.usage
                 if scanner.error is not None:
@@ -319,16 +334,20 @@ def _event_error(error: dict[str, object]) -> UpstreamError:
     return upstream_error_from_body(status, orjson.dumps({"error": error}))
 
 
-def _answer_usage(body: bytes) -> dict[str, Any] | None:
-    """The `usage` of a non-stream answer, for quota settlement (parsed only if present)."""
+def _answer_usage(body: bytes) -> tuple[dict[str, Any] | None, str | None]:
+    """The `usage` of a non-stream answer, for quota settlement, and the `model` it names
+    (parsed only if a usage is present)."""
     if b'"usage"' not in body:
-        return None
+        return None, None
     try:
         parsed = orjson.loads(body)
     except orjson.JSONDecodeError:
-        return None
-    usage = parsed.get("usage") if isinstance(parsed, dict) else None
-    return usage if isinstance(usage, dict) else None
+        return None, None
+    if not isinstance(parsed, dict):
+        return None, None
+    usage = parsed.get("usage")
+    model = parsed.get("model")
+    return (usage if isinstance(usage, dict) else None), (model if isinstance(model, str) else None)
 
 
 def _response_headers(ctx: RequestContext) -> Headers:

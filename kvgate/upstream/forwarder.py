@@ -201,7 +201,7 @@ class Forwarder:
             tried.append(endpoint)
             ctx.endpoint = endpoint
             try:
-                await self.relay.run(ctx, endpoint, body, send, limits, transcript)
+                await self._continue(ctx, endpoint, body, send, limits, transcript)
             except StreamBroken as broken:
                 error = broken.error
                 continue
@@ -220,3 +220,36 @@ class Forwarder:
         ctx.outcome = str(error.code)
         ctx.responded = True
         await send({"type": "http.response.body", "body": error.to_sse(), "more_body": False})
+
+    async def _continue(
+        self,
+        ctx: RequestContext,
+        endpoint: Endpoint,
+        body: bytes,
+        send: Send,
+        limits: RequestTimeouts,
+        transcript: StreamTranscript,
+    ) -> None:
+        """One continuation of a broken stream on `endpoint`; traced as a resume span (whose
+        child is the attempt) when tracing is on."""
+        span = None if ctx.trace is None else ctx.trace.span("kvgate.resume")
+        if span is None:
+            await self.relay.run(ctx, endpoint, body, send, limits, transcript)
+            return
+        span.set("kvgate.resume", ctx.resumes)
+        span.set("kvgate.resume.relayed_tokens", transcript.content_events)
+        try:
+            await self.relay.run(ctx, endpoint, body, send, limits, transcript)
+        except StreamBroken as broken:
+            span.end(str(broken.error.code))
+            raise
+        except KvgateError as error:
+            span.end(str(error.code))
+            raise
+        except Throttled:
+            span.end("upstream_throttled")
+            raise
+        else:
+            span.end()
+        finally:
+            span.end("interrupted")  # cancelled (the client left) or a gateway bug

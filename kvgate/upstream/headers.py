@@ -26,17 +26,25 @@ _NEVER_FORWARD = frozenset(
     }
 )
 _GATEWAY_PREFIX = b"x-kvgate-"
+_TRACE_CONTEXT = frozenset({b"traceparent", b"tracestate"})
 
 
 def upstream_headers(
-    client_headers: Headers, request_id: str, auth_header: bytes | None
+    client_headers: Headers,
+    request_id: str,
+    auth_header: bytes | None,
+    trace_context: Headers | None = None,
 ) -> Headers:
     """Client headers minus hop-by-hop ones (and any named in Connection), plus the request id
-    and the endpoint's credentials. `traceparent` and other end-to-end headers pass through."""
+    and the endpoint's credentials. `traceparent` and other end-to-end headers pass through,
+    except that a given `trace_context` (the attempt span's, when tracing is on) replaces the
+    client's `traceparent` and `tracestate`."""
     named_in_connection: set[bytes] = set()
     for name, value in client_headers:
         if name == b"connection":
             named_in_connection.update(t.strip().lower() for t in value.split(b","))
+    if trace_context is not None:
+        named_in_connection |= _TRACE_CONTEXT
     out: Headers = [
         (name, value)
         for name, value in client_headers
@@ -44,6 +52,8 @@ def upstream_headers(
         and name not in named_in_connection
         and not name.startswith(_GATEWAY_PREFIX)
     ]
+    if trace_context is not None:
+        out += trace_context
     out.append((REQUEST_ID, request_id.encode()))
     out.append((b"accept-encoding", b"identity"))
     if auth_header is not None:

@@ -57,9 +57,10 @@ def event_data(event: bytes) -> bytes | None:
 
 
 class SseScanner:
-    """Feed raw chunks in arrival order; read `data_events`, `done`, `error`, `usage`."""
+    """Feed raw chunks in arrival order; read `data_events`, `done`, `error`, `usage` and
+    `model` (the model named by the event that carried the usage)."""
 
-    __slots__ = ("_tail", "data_events", "done", "error", "strip_usage", "usage")
+    __slots__ = ("_tail", "data_events", "done", "error", "model", "strip_usage", "usage")
 
     def __init__(self, strip_usage: bool = False) -> None:
         self.strip_usage = strip_usage
@@ -68,6 +69,7 @@ class SseScanner:
         self.done = False
         self.error: dict[str, Any] | None = None
         self.usage: dict[str, Any] | None = None
+        self.model: str | None = None
 
     @property
     def terminated(self) -> bool:
@@ -122,9 +124,12 @@ class SseScanner:
             return
         self.done = True
         response = parsed.get("response")
-        usage = response.get("usage") if isinstance(response, dict) else None
+        if not isinstance(response, dict):
+            return
+        usage = response.get("usage")
         if isinstance(usage, dict):
             self.usage = usage
+            self.model = _model_of(response)
 
     def _inspect(self, data: bytes) -> bool:
         """Read an event that may carry an error or usage; True for a usage-only event."""
@@ -142,8 +147,14 @@ class SseScanner:
         usage = parsed.get("usage")
         if isinstance(usage, dict):
             self.usage = usage
+            self.model = _model_of(parsed)
             return self.error is None and not parsed.get("choices")
         return False
+
+
+def _model_of(answer: dict[str, Any]) -> str | None:
+    model = answer.get("model")
+    return model if isinstance(model, str) else None
 
 
 def _without(out: bytes, event: bytes) -> bytes:

@@ -1,0 +1,399 @@
+"""OpenTelemetry traces of requests: a span per request, a child per stage, per upstream attempt
+and per resume, with GenAI semantic-convention and kvgate attributes (docs/observability.md).
+
+Off (`exporter: none`, the default) `build_tracing` returns None: the chain then makes no trace
+and nothing on the request path calls OpenTelemetry. On, each app (each worker process, each
+reload) has its own TracerProvider, batching spans to the exporter in a background thread, and
+flushes it when the app shuts down. The client's W3C `traceparent` is continued; each attempt
+sends its own span's context to the engine.
+
+Settings: a key of `observability.tracing` in the config wins; a key left out falls back to
+the standard OTEL_* variables, read when the app is built (see `build_tracing`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from urllib.parse import urlsplit
+
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_VERSION, Resource
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    ConsoleSpanExporter,
+    SimpleSpanProcessor,
+    SpanExporter,
+)
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode, set_span_in_context
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from kvgate import __version__
+from kvgate.config import ConfigError, TracingConfig
+from kvgate.routing.endpoints import Endpoint
+from kvgate.types import Headers, RequestContext
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+_TRACE_HEADERS = {b"traceparent": "traceparent", b"tracestate": "tracestate"}
+# gen_ai.operation.name by route (the Responses API is OpenAI's newer chat interface).
+_OPERATIONS = {
+    "chat": "chat",
+    "completions": "text_completion",
+    "embeddings": "embeddings",
+    "responses": "chat",
+}
+_EXPORTERS = ("otlp", "console", "none")
+_PROTOCOLS = ("http/protobuf", "grpc")
+Attribute = str | int | float | bool
+
+
+def build_tracing(
+    config: TracingConfig, exporter: SpanExporter | None = None
+) -> GatewayTracing | None:
+    """The tracing of one app, or None when tracing is off.
+
+    Exporters: `config.exporter`, else $OTEL_TRACES_EXPORTER (`otlp`, `console`, `none`, or a
+    comma-separated list), else none; $OTEL_SDK_DISABLED=true turns tracing off regardless.
+    OTLP: the protocol from $OTEL_EXPORTER_OTLP_TRACES_PROTOCOL / $OTEL_EXPORTER_OTLP_PROTOCOL
+    (`http/protobuf`, the default, or `grpc`); the URL `config.endpoint`, else the exporter
+    reads $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / $OTEL_EXPORTER_OTLP_ENDPOINT (and the other
+    OTEL_EXPORTER_OTLP_* variables: headers, timeout, certificates). Sampling: always
+    parent-based (a client's sampled flag is followed); of new traces the ratio
+    `config.sample_ratio`, else $OTEL_TRACES_SAMPLER_ARG, else 1. Resource:
+    $OTEL_RESOURCE_ATTRIBUTES and $OTEL_SERVICE_NAME, service name `kvgate` when neither
+    names one.
+
+    `exporter`, when given, receives every span as it ends in place of the configured
+    exporters (tests read spans in memory); it is unused when tracing is off. Raises
+    ConfigError for an exporter or protocol kvgate does not support."""
+    names = _exporter_names(config)
+    if not names:
+        return None
+    processors: list[SpanProcessor]
+    if exporter is not None:
+        processors = [SimpleSpanProcessor(exporter)]
+    else:
+        processors = [BatchSpanProcessor(_exporter(name, config)) for name in names]
+    sampler = ParentBased(TraceIdRatioBased(_sample_ratio(config)))
+    resource = Resource.create({SERVICE_VERSION: __version__})
+    if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
+        resource = resource.merge(Resource({SERVICE_NAME: "kvgate"}))
+    # Shut down by the app (a reload makes a new provider), not kept alive until exit.
+    provider = TracerProvider(sampler=sampler, resource=resource, shutdown_on_exit=False)
+    for processor in processors:
+        provider.add_span_processor(processor)
+    return GatewayTracing(provider)
+
+
+def _exporter_names(config: TracingConfig) -> list[str]:
+    environ = os.environ
+    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return []
+    names: list[str]
+    if config.exporter is not None:
+        names = [config.exporter]
+    else:
+        wanted = environ.get("OTEL_TRACES_EXPORTER", "none")
+        names = [n.strip().lower() for n in wanted.split(",") if n.strip()]
+        unknown = [n for n in names if n not in _EXPORTERS]
+        if unknown:
+            raise ConfigError(
+                "$OTEL_TRACES_EXPORTER",
+                [f"unsupported trace exporter {unknown[0]!r}: kvgate exports otlp, console, none"],
+            )
+    return [n for n in dict.fromkeys(names) if n != "none"]
+
+
+def _sample_ratio(config: TracingConfig) -> float:
+    if config.sample_ratio is not None:
+        return config.sample_ratio
+    given = os.environ.get("OTEL_TRACES_SAMPLER_ARG")
+    if given is None:
+        return 1.0
+    try:
+        ratio = float(given)
+    except ValueError:
+        ratio = -1.0
+    if not 0.0 <= ratio <= 1.0:
+        raise ConfigError(
+            "$OTEL_TRACES_SAMPLER_ARG", [f"must be a number from 0 to 1 (got: {given!r})"]
+        )
+    return ratio
+
+
+def _exporter(name: str, config: TracingConfig) -> SpanExporter:
+    if name == "console":
+        return ConsoleSpanExporter()
+    environ = os.environ
+    protocol = (
+        environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+        or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+        or "http/protobuf"
+    ).strip()
+    if protocol not in _PROTOCOLS:
+        raise ConfigError(
+            "$OTEL_EXPORTER_OTLP_PROTOCOL",
+            [f"unsupported OTLP protocol {protocol!r}: kvgate sends http/protobuf or grpc"],
+        )
+    if protocol == "grpc":
+        # Imported only when chosen: grpc is a heavy import the default path never needs.
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+            OTLPSpanExporter as GrpcExporter,
+        )
+
+        return GrpcExporter(endpoint=config.endpoint)
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    return OTLPSpanExporter(endpoint=config.endpoint)
+
+
+class GatewayTracing:
+    """The chain's `Tracing`: starts one `_RequestTrace` per request."""
+
+    def __init__(self, provider: TracerProvider) -> None:
+        self.provider = provider
+        self.tracer = provider.get_tracer("kvgate", __version__)
+        self._servers: dict[str, tuple[str, int]] = {}
+
+    def start(self, ctx: RequestContext) -> _RequestTrace:
+        return _RequestTrace(self, ctx)
+
+    def server(self, endpoint: Endpoint) -> tuple[str, int]:
+        """The engine's host and port (server.address, server.port), parsed once."""
+        known = self._servers.get(endpoint.url)
+        if known is None:
+            parts = urlsplit(endpoint.url)
+            default = 443 if parts.scheme == "https" else 80
+            known = self._servers[endpoint.url] = (parts.hostname or "", parts.port or default)
+        return known
+
+    def shutdown(self) -> None:
+        """Export what is still buffered, then stop (blocks up to the exporter's timeout)."""
+        self.provider.shutdown()
+
+
+class _Step:
+    """An open span of a request; `end` closes it once."""
+
+    __slots__ = ("_done", "_on_end", "_trace", "span")
+
+    def __init__(
+        self,
+        trace: _RequestTrace,
+        span: Span,
+        on_end: Callable[[Span, RequestContext], None] | None = None,
+    ) -> None:
+        self._trace = trace
+        self.span = span
+        self._on_end = on_end
+        self._done = False
+
+    def set(self, key: str, value: Attribute) -> None:
+        self.span.set_attribute(key, value)
+
+    def headers(self) -> Headers:
+        carrier: dict[str, str] = {}
+        _PROPAGATOR.inject(carrier, set_span_in_context(self.span))
+        return [(name.encode(), value.encode("latin-1")) for name, value in carrier.items()]
+
+    def end(self, error: str | None = None) -> None:
+        if self._done:
+            return
+        self._done = True
+        if self.span.is_recording():
+            if self._on_end is not None:
+                self._on_end(self.span, self._trace.ctx)
+            if error is not None:
+                _failed(self.span, error)
+        self.span.end()
+        self._trace.closed(self)
+
+
+class _RequestTrace:
+    """A request's span (SERVER kind) and its open steps; see `RequestTrace` in types.py."""
+
+    __slots__ = ("_open", "_operation", "_requested", "_root", "_tracing", "ctx")
+
+    def __init__(self, tracing: GatewayTracing, ctx: RequestContext) -> None:
+        self._tracing = tracing
+        self.ctx = ctx
+        self._open: list[_Step] = []
+        self._operation = _OPERATIONS.get(ctx.route, ctx.route)
+        self._requested = ctx.model
+        started = time.time_ns() - int((time.perf_counter() - ctx.started) * 1e9)
+        self._root = tracing.tracer.start_span(
+            f"POST {ctx.upstream_path}",
+            context=_client_context(ctx.client_headers),
+            kind=SpanKind.SERVER,
+            start_time=started,
+            attributes={
+                "http.request.method": "POST",
+                "http.route": ctx.upstream_path,
+                "gen_ai.operation.name": self._operation,
+                "gen_ai.request.model": ctx.model,
+                "gen_ai.request.stream": ctx.stream,
+                "kvgate.request_id": ctx.request_id,
+            },
+        )
+
+    def _parent(self) -> Context:
+        return set_span_in_context(self._open[-1].span if self._open else self._root)
+
+    def span(self, name: str) -> _Step:
+        span = self._tracing.tracer.start_span(name, context=self._parent())
+        step = _Step(self, span, _STEP_ATTRIBUTES.get(name))
+        self._open.append(step)
+        return step
+
+    def attempt(self, endpoint: Endpoint) -> _Step:
+        ctx = self.ctx
+        operation = self._operation
+        host, port = self._tracing.server(endpoint)
+        attributes: dict[str, Attribute] = {
+            "gen_ai.operation.name": operation,
+            "gen_ai.provider.name": endpoint.engine,
+            "gen_ai.request.model": ctx.model,
+            "server.address": host,
+            "server.port": port,
+            "kvgate.endpoint": endpoint.name,
+            "kvgate.pool": endpoint.pool,
+            "kvgate.attempt": ctx.attempts,
+        }
+        if ctx.prefix is not None:
+            attributes["kvgate.prefix.predicted_tokens"] = _predicted(ctx, endpoint.name)
+        span = self._tracing.tracer.start_span(
+            f"{operation} {ctx.model}",
+            context=self._parent(),
+            kind=SpanKind.CLIENT,
+            attributes=attributes,
+        )
+        step = _Step(self, span, _attempt_ended)
+        self._open.append(step)
+        return step
+
+    def closed(self, step: _Step) -> None:
+        if step in self._open:
+            self._open.remove(step)
+
+    def finish(self) -> None:
+        for step in reversed(self._open):  # a step left open by a bug must not leak
+            step.end("interrupted")
+        root = self._root
+        if root.is_recording():
+            _request_ended(root, self.ctx, self._requested)
+        root.end()
+
+
+def _client_context(headers: Headers) -> Context | None:
+    """The client's trace context (W3C traceparent, tracestate), or None to start a trace."""
+    carrier = {
+        _TRACE_HEADERS[name]: value.decode("latin-1")
+        for name, value in headers
+        if name in _TRACE_HEADERS
+    }
+    return _PROPAGATOR.extract(carrier) if carrier else None
+
+
+def _failed(span: Span, error: str) -> None:
+    span.set_attribute("error.type", error)
+    span.set_status(Status(StatusCode.ERROR, error))
+
+
+def _predicted(ctx: RequestContext, endpoint: str) -> int:
+    """Prompt tokens the prefix index predicted `endpoint` holds for this request."""
+    assert ctx.prefix is not None
+    return ctx.prefix.prompt_tokens - ctx.prefix.uncached_tokens(endpoint)
+
+
+def _usage(span: Span, ctx: RequestContext) -> None:
+    usage = ctx.usage
+    if usage is None:
+        return
+    for key, attribute in (
+        ("prompt_tokens", "gen_ai.usage.input_tokens"),
+        ("completion_tokens", "gen_ai.usage.output_tokens"),
+    ):
+        value = usage.get(key)
+        if isinstance(value, int):
+            span.set_attribute(attribute, value)
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    if isinstance(cached, int):
+        span.set_attribute("gen_ai.usage.cache_read.input_tokens", cached)
+    if ctx.response_model is not None:
+        span.set_attribute("gen_ai.response.model", ctx.response_model)
+
+
+def _attempt_ended(span: Span, ctx: RequestContext) -> None:
+    _usage(span, ctx)
+
+
+def _request_ended(span: Span, ctx: RequestContext, requested_model: str) -> None:
+    span.set_attribute("http.response.status_code", ctx.status)
+    span.set_attribute("kvgate.outcome", ctx.outcome)
+    span.set_attribute("kvgate.attempts", ctx.attempts)
+    span.set_attribute("kvgate.resumes", ctx.resumes)
+    _tenant(span, ctx)
+    _intent(span, ctx)
+    if ctx.endpoint is not None:
+        _endpoint(span, ctx)
+        span.set_attribute("gen_ai.provider.name", ctx.endpoint.engine)
+    if ctx.model != requested_model:  # a routing fallback chose another model
+        span.set_attribute("kvgate.model", ctx.model)
+    if ctx.first_token_at is not None:
+        span.set_attribute("gen_ai.response.time_to_first_chunk", ctx.first_token_at - ctx.started)
+    _usage(span, ctx)
+    if ctx.outcome != "ok":
+        span.set_attribute("error.type", ctx.outcome)
+        # Server spans: a 4xx is the client's error, not the gateway's; a broken stream is.
+        if ctx.status >= 500 or ctx.committed:
+            span.set_status(Status(StatusCode.ERROR, ctx.outcome))
+
+
+def _tenant(span: Span, ctx: RequestContext) -> None:
+    if ctx.tenant is not None:
+        span.set_attribute("kvgate.tenant", ctx.tenant.name)
+        span.set_attribute("kvgate.tier", ctx.tier)
+    if ctx.key_id is not None:
+        span.set_attribute("kvgate.key_id", ctx.key_id)
+
+
+def _intent(span: Span, ctx: RequestContext) -> None:
+    intent = ctx.intent
+    if intent is None:
+        return
+    span.set_attribute("kvgate.class", intent.latency_class)
+    span.set_attribute("kvgate.prompt_tokens.estimated", intent.prompt_tokens)
+    span.set_attribute("gen_ai.request.max_tokens", intent.max_tokens)
+    if intent.rule is not None:
+        span.set_attribute("kvgate.class.rule", intent.rule)
+
+
+def _endpoint(span: Span, ctx: RequestContext) -> None:
+    assert ctx.endpoint is not None
+    span.set_attribute("kvgate.endpoint", ctx.endpoint.name)
+    span.set_attribute("kvgate.pool", ctx.endpoint.pool)
+    if ctx.prefix is not None:
+        span.set_attribute("kvgate.prefix.predicted_tokens", _predicted(ctx, ctx.endpoint.name))
+        span.set_attribute("kvgate.prefix.prompt_tokens", ctx.prefix.prompt_tokens)
+
+
+def _model(span: Span, ctx: RequestContext) -> None:
+    span.set_attribute("kvgate.model", ctx.model)
+
+
+def _priority(span: Span, ctx: RequestContext) -> None:
+    span.set_attribute("kvgate.priority", ctx.priority)
+
+
+# What each stage span records when it ends (what that stage decided).
+_STEP_ATTRIBUTES: dict[str, Callable[[Span, RequestContext], None]] = {
+    "kvgate.auth": _tenant,
+    "kvgate.classify": _intent,
+    "kvgate.model_fallback": _model,
+    "kvgate.admission": _priority,
+    "kvgate.pick": lambda span, ctx: _endpoint(span, ctx) if ctx.endpoint is not None else None,
+}
