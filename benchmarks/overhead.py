@@ -17,6 +17,12 @@ In order, on fresh gateways: every rate x mode row; the cost of a ~100k-token ch
 instrument's own ceiling (generator + upstream, direct only); last, memory per 1,000 open,
 nearly idle streams (RSS delta of new gateways in front of a slow upstream). Prints Markdown
 tables, one command for all of them.
+
+`--tracing otlp|console` measures instead what OpenTelemetry tracing costs: kvgate as
+configured by default (tracing off) and kvgate tracing requests (`sample_ratio`:
+`--tracing-ratio`, default 1.0: every request) side by side, rate x mode rows only. otlp
+exports to benchmarks/null_collector.py (the real OTLP exporter, a collector that costs
+nothing); console writes every span as JSON to /dev/null.
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ import services
 MODES = ("unary", "stream")
 DIRECT = "direct"
 KVGATE = "kvgate"
+KVGATE_TRACED = "kvgate+tracing"
+TRACING_TARGET = 0.05  # tracing may add this share of kvgate's added latency
 SGLANG = "sglang-router"
 LAG_LIMIT_MS = 5.0  # generator send lag p99 above this: the instrument is the limit
 RATE_SHORTFALL = 0.95  # achieved rate below this share of the target: same
@@ -541,6 +549,79 @@ def measure_memory(tmp: Path, streams: int) -> dict[str, held_streams.HeldStream
         return held
 
 
+@contextmanager
+def traced_gateways(
+    tmp: Path, upstream_url: str, exporter: str, ratio: float
+) -> Iterator[dict[str, Gateway]]:
+    """kvgate twice in front of `upstream_url`: tracing off (the default) and tracing to
+    `exporter` at sample ratio `ratio`, until the block ends."""
+    tracing = f"observability: {{tracing: {{exporter: {exporter}, sample_ratio: {ratio}"
+    with ExitStack() as stack:
+        if exporter == "otlp":
+            port = services.free_port()
+            collector = [str(services.BENCH_DIR / "null_collector.py"), "--port", str(port)]
+            stack.enter_context(services.service(collector, port, "/"))
+            tracing += f', endpoint: "http://127.0.0.1:{port}/v1/traces"'
+        running = {}
+        for name, extra in ((KVGATE, ""), (KVGATE_TRACED, tracing + "}}\n")):
+            port = services.free_port()
+            config = tmp / f"{name}.yaml"
+            config.write_text(services.gateway_config(port, [upstream_url]) + extra)
+            quiet = subprocess.DEVNULL if extra and exporter == "console" else None
+            proc = stack.enter_context(services.gateway(config, port, quiet))
+            running[name] = Gateway(f"http://127.0.0.1:{port}/v1/chat/completions", proc.pid)
+        yield running
+
+
+def _share(extra: float | None, base: float | None) -> str:
+    if extra is None or base is None or base <= 0:
+        return "-"
+    return f"{100 * extra / base:+.1f}%"
+
+
+def tracing_lines(runs: Iterable[Run]) -> str:
+    """Per row: what tracing adds to kvgate's added latency (p50, p99) and CPU per request,
+    as a share of kvgate's own."""
+    lines = []
+    for run in runs:
+        key = _key(run.mode)
+        cells = []
+        for pct in ("p50", "p99"):
+            plain = run.added(KVGATE, key, pct)
+            traced = run.added(KVGATE_TRACED, key, pct)
+            extra = None if plain is None or traced is None else traced - plain
+            cells.append(f"{pct} {_ms(plain)} → {_ms(traced)} ({_share(extra, plain)})")
+        cpu = run.cpu_ms_per_request
+        extra_cpu = cpu[KVGATE_TRACED] - cpu[KVGATE]
+        what = "added TTFT" if run.mode == "stream" else "added latency"
+        lines.append(
+            f"- {run.rate}/s {run.mode}: {what} {'; '.join(cells)}; CPU ms/req "
+            f"{cpu[KVGATE]:.3f} → {cpu[KVGATE_TRACED]:.3f} ({_share(extra_cpu, cpu[KVGATE])})"
+        )
+    return "\n".join(lines)
+
+
+def tracing_report(
+    settings: Settings, exporter: str, ratio: float, rows: dict[str, list[Run]]
+) -> str:
+    s = settings
+    runs = [r for mode_runs in rows.values() for r in mode_runs]
+    parts = [
+        f"Tracing on (exporter {exporter}, sample_ratio {ratio:g}) beside tracing off; target: "
+        f"tracing adds < {TRACING_TARGET:.0%} of kvgate's added latency. Poisson arrivals; "
+        f"{s.duration:g} s measured per target per row ({s.rounds} ABBA rounds, {s.warmup:g} s "
+        f"warm-up each, discarded); stream = {s.chunks} events {s.gap_ms:g} ms apart + [DONE]. "
+        "All figures in ms; off → on (share of off).",
+        tracing_lines(runs),
+        "### Non-streaming",
+        unary_table(rows["unary"]),
+        "### Streaming",
+        stream_table(rows["stream"]),
+        failure_kinds(runs),
+    ]
+    return "\n\n".join(parts) + "\n"
+
+
 def _rates(text: str) -> list[int]:
     return [int(r) for r in text.split(",") if r]
 
@@ -565,6 +646,13 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="about 2 minutes: 2 s rows and search steps, 0.5 s warm-up, fewer rates",
     )
+    parser.add_argument(
+        "--tracing",
+        choices=("none", "otlp", "console"),
+        default="none",
+        help="measure tracing instead: kvgate with and without it, rows only",
+    )
+    parser.add_argument("--tracing-ratio", type=float, default=1.0, help="with --tracing")
     parser.add_argument("--output", type=Path, help="also write the Markdown here")
     args = parser.parse_args()
     if args.quick:
@@ -582,6 +670,16 @@ def main() -> int:
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
+        if args.tracing != "none":
+            with (
+                services.fast_upstream(up_port, args.chunks, args.gap_ms),
+                traced_gateways(tmp, upstream_url, args.tracing, args.tracing_ratio) as running,
+            ):
+                bench = Bench(upstream_url + "/v1/chat/completions", running, settings)
+                bench.settle(min(args.rates))
+                rows = {m: [bench.measure(rate, m) for rate in args.rates] for m in MODES}
+            text = tracing_report(settings, args.tracing, args.tracing_ratio, rows)
+            return _finish(text, args, started)
         with (
             services.fast_upstream(up_port, args.chunks, args.gap_ms),
             gateways(tmp, "bench", upstream_url) as running,
@@ -600,7 +698,10 @@ def main() -> int:
             ceiling = bench.ceiling(args.ceiling_rates, args.search_duration)
         held = measure_memory(tmp, args.streams)
     results = Results(searches, rows, prompt, held, ceiling, missing_peers())
-    text = report(settings, results)
+    return _finish(report(settings, results), args, started)
+
+
+def _finish(text: str, args: argparse.Namespace, started: float) -> int:
     print(text)
     print(f"(took {time.monotonic() - started:.0f} s)", file=sys.stderr)
     if args.output:

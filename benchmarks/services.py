@@ -64,9 +64,12 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 @contextlib.contextmanager
-def service(args: list[str], port: int, ready_path: str) -> Iterator[subprocess.Popen[bytes]]:
-    """Run `python args...` until the block exits; ready once `GET ready_path` answers 200."""
-    proc = subprocess.Popen([PYTHON, *args], stdin=subprocess.DEVNULL)
+def service(
+    args: list[str], port: int, ready_path: str, stdout: int | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Run `python args...` until the block exits; ready once `GET ready_path` answers 200.
+    `stdout`: where its standard output goes (default: this process's)."""
+    proc = subprocess.Popen([PYTHON, *args], stdin=subprocess.DEVNULL, stdout=stdout)
     try:
         wait_ready(proc, port, ready_path)
         yield proc
@@ -105,13 +108,14 @@ def gateway_config(port: int, upstream_urls: list[str]) -> str:
 
 
 def gateway(
-    config_file: Path, port: int
+    config_file: Path, port: int, stdout: int | None = None
 ) -> contextlib.AbstractContextManager[subprocess.Popen[bytes]]:
     """One gateway worker (`kvgate serve`), ready once `/readyz` answers 200."""
     return service(
         ["-m", "kvgate.cli", "serve", "--config", str(config_file), "--log-level", "warning"],
         port,
         "/readyz",
+        stdout,
     )
 
 

@@ -9,8 +9,9 @@ is released by `ctx.finish()`. A client disconnect cancels the chain wherever it
 an error: a stream gets it as its last event.
 
 With tracing on (`tracing` given), the request gets a trace whose span ends after settling,
-so a stream's span ends with the stream; each stage runs inside a child span named
-`kvgate.<stage>` (AuthStage: `kvgate.auth`, ModelFallbackStage: `kvgate.model_fallback`).
+so a stream's span ends with the stream; each stage runs inside a step of the trace named
+`kvgate.<stage>` (AuthStage: `kvgate.auth`, ModelFallbackStage: `kvgate.model_fallback`),
+which the tracing makes a child span or folds into the request's.
 """
 
 from __future__ import annotations

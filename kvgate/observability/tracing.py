@@ -195,9 +195,7 @@ class _Step:
         self.span.set_attribute(key, value)
 
     def headers(self) -> Headers:
-        carrier: dict[str, str] = {}
-        _PROPAGATOR.inject(carrier, set_span_in_context(self.span))
-        return [(name.encode(), value.encode("latin-1")) for name, value in carrier.items()]
+        return _context_headers(self.span)
 
     def end(self, error: str | None = None) -> None:
         if self._done:
@@ -212,10 +210,36 @@ class _Step:
         self._trace.closed(self)
 
 
+class _Folded:
+    """A step without a span of its own: a stage in `_FOLDED`, or any step of a request that
+    is not sampled (its spans would record nothing); `headers` name `parent`, if any."""
+
+    __slots__ = ("parent",)
+
+    def __init__(self, parent: Span | None = None) -> None:
+        self.parent = parent
+
+    def set(self, key: str, value: Attribute) -> None:
+        pass
+
+    def headers(self) -> Headers:
+        return [] if self.parent is None else _context_headers(self.parent)
+
+    def end(self, error: str | None = None) -> None:
+        pass
+
+
+# Stages that only read the config and the fleet's state (no I/O, no waiting), whose outcome
+# the request span records (a fallback model: `kvgate.model`; the responses gate's 404: the
+# request's status): a span each would cost as much as a real stage's and show nothing.
+_FOLDED = frozenset({"kvgate.responses", "kvgate.model_fallback"})
+_FOLDED_STEP = _Folded()
+
+
 class _RequestTrace:
     """A request's span (SERVER kind) and its open steps; see `RequestTrace` in types.py."""
 
-    __slots__ = ("_open", "_operation", "_requested", "_root", "_tracing", "ctx")
+    __slots__ = ("_open", "_operation", "_recording", "_requested", "_root", "_tracing", "ctx")
 
     def __init__(self, tracing: GatewayTracing, ctx: RequestContext) -> None:
         self._tracing = tracing
@@ -238,17 +262,22 @@ class _RequestTrace:
                 "kvgate.request_id": ctx.request_id,
             },
         )
+        self._recording = self._root.is_recording()
 
     def _parent(self) -> Context:
         return set_span_in_context(self._open[-1].span if self._open else self._root)
 
-    def span(self, name: str) -> _Step:
+    def span(self, name: str) -> _Step | _Folded:
+        if name in _FOLDED or not self._recording:
+            return _FOLDED_STEP
         span = self._tracing.tracer.start_span(name, context=self._parent())
         step = _Step(self, span, _STEP_ATTRIBUTES.get(name))
         self._open.append(step)
         return step
 
-    def attempt(self, endpoint: Endpoint) -> _Step:
+    def attempt(self, endpoint: Endpoint) -> _Step | _Folded:
+        if not self._recording:  # the engine still learns the trace is not sampled
+            return _Folded(self._root)
         ctx = self.ctx
         operation = self._operation
         host, port = self._tracing.server(endpoint)
@@ -285,6 +314,12 @@ class _RequestTrace:
         if root.is_recording():
             _request_ended(root, self.ctx, self._requested)
         root.end()
+
+
+def _context_headers(span: Span) -> Headers:
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, set_span_in_context(span))
+    return [(name.encode(), value.encode("latin-1")) for name, value in carrier.items()]
 
 
 def _client_context(headers: Headers) -> Context | None:
@@ -381,10 +416,6 @@ def _endpoint(span: Span, ctx: RequestContext) -> None:
         span.set_attribute("kvgate.prefix.prompt_tokens", ctx.prefix.prompt_tokens)
 
 
-def _model(span: Span, ctx: RequestContext) -> None:
-    span.set_attribute("kvgate.model", ctx.model)
-
-
 def _priority(span: Span, ctx: RequestContext) -> None:
     span.set_attribute("kvgate.priority", ctx.priority)
 
@@ -393,7 +424,6 @@ def _priority(span: Span, ctx: RequestContext) -> None:
 _STEP_ATTRIBUTES: dict[str, Callable[[Span, RequestContext], None]] = {
     "kvgate.auth": _tenant,
     "kvgate.classify": _intent,
-    "kvgate.model_fallback": _model,
     "kvgate.admission": _priority,
     "kvgate.pick": lambda span, ctx: _endpoint(span, ctx) if ctx.endpoint is not None else None,
 }

@@ -25,14 +25,7 @@ MODEL = "sim-model"
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
 TRACEPARENT = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"
-STAGES = [
-    "kvgate.auth",
-    "kvgate.responses",
-    "kvgate.classify",
-    "kvgate.model_fallback",
-    "kvgate.admission",
-    "kvgate.pick",
-]
+STAGES = ["kvgate.auth", "kvgate.classify", "kvgate.admission", "kvgate.pick"]
 
 
 @pytest.fixture
@@ -145,7 +138,7 @@ def test_a_stream_is_one_trace_continuing_the_clients(fleet, traced):
     assert attempt.attributes["kvgate.attempt"] == 1
     assert attempt.attributes["gen_ai.usage.output_tokens"] == usage.completion_tokens
     assert dict(steps[0].attributes or {})["kvgate.tenant"] == "anonymous"
-    assert "kvgate.endpoint" in dict(steps[5].attributes or {})
+    assert "kvgate.endpoint" in dict(steps[3].attributes or {})
 
     # The request's span lasts as long as the stream, pause included, and ends after it.
     assert root.end_time and root.start_time and attempt.end_time
@@ -203,20 +196,30 @@ def test_tracing_off_makes_no_trace_and_passes_the_clients_context_on(fleet, tra
 def test_a_client_not_sampling_is_followed_and_the_ratio_applies_to_new_traces(fleet, traced):
     _, server, exporter = traced(traced_config(fleet, sample_ratio=0.0))
     client = sdk_client(base_url=server.url + "/v1", api_key="none", max_retries=0)
-    unsampled = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-00"
-    sampled = TRACEPARENT
-    for traceparent in (unsampled, None, sampled):
-        headers = {} if traceparent is None else {"traceparent": traceparent}
+    sent = []
+    for flags in ("00", None, "01"):  # client not sampling, no client trace, client sampling
+        parent = f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-{flags}"
+        headers = {} if flags is None else {"traceparent": parent}
+        before = [e.stats()["requests_received"] for e in fleet.engines]
         client.chat.completions.create(
             model=MODEL,
             max_tokens=3,
             messages=[{"role": "user", "content": "hello"}],
             extra_headers=headers,
         )
+        [stats] = [
+            stats
+            for stats, count in zip((e.stats() for e in fleet.engines), before, strict=True)
+            if stats["requests_received"] > count
+        ]
+        sent.append(stats["last_request"]["headers"]["traceparent"].split("-"))
     [root] = requests_traced(exporter, 1)
     assert root.parent is not None and f"{root.parent.span_id:016x}" == CLIENT_SPAN
     time.sleep(0.2)  # the other two would have been exported by now
     assert len([s for s in exporter.get_finished_spans() if s.kind == SpanKind.SERVER]) == 1
+    # Unsampled requests still tell the engine their trace and that it is not sampled.
+    assert sent[0][1] == CLIENT_TRACE and sent[0][2] != CLIENT_SPAN and sent[0][3] == "00"
+    assert sent[1][1] != CLIENT_TRACE and int(sent[1][3], 16) & 1 == 0
 
 
 def test_settings_come_from_the_config_then_the_otel_variables(monkeypatch):
@@ -256,3 +259,38 @@ def test_the_config_refuses_a_bad_endpoint_ratio_or_exporter():
         config = gateway_config(["http://127.0.0.1:1"], observability={"tracing": tracing})
         with pytest.raises(ConfigError, match=r"observability\.tracing"):
             parse_config(config)
+
+
+def test_a_resumed_stream_has_a_resume_span_over_its_continuation(fleet, traced):
+    config = traced_config(fleet)
+    config["pools"][0]["resume"] = True
+    _, server, exporter = traced(config)
+    fleet.engines[0].set_fault({"mode": "crash_after_tokens", "tokens": 5, "count": 1})
+    client = sdk_client(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    for i in range(2):  # round robin: one of the two starts on the crashing engine
+        text = "".join(
+            chunk.choices[0].delta.content or ""
+            for chunk in client.chat.completions.create(
+                model=MODEL,
+                max_tokens=12,
+                stream=True,
+                messages=[{"role": "user", "content": f"Tell a story {i}."}],
+            )
+            if chunk.choices
+        )
+        assert text
+        root = requests_traced(exporter, i + 1)[i]
+        if (root.attributes or {})["kvgate.resumes"] == 1:
+            break
+    else:
+        pytest.fail("no stream met the crashing engine")
+    steps = children(exporter, root)
+    assert [s.name for s in steps] == [*STAGES, f"chat {MODEL}", "kvgate.resume"]
+    broken, resume = steps[-2:]
+    assert broken.attributes["error.type"] == "upstream_connection_lost"
+    [continuation] = children(exporter, resume)
+    assert continuation.kind == SpanKind.CLIENT
+    assert continuation.attributes["kvgate.attempt"] == 2
+    assert resume.attributes["kvgate.resume.relayed_tokens"] >= 1
+    assert continuation.status.status_code == StatusCode.UNSET
+    assert root.attributes["kvgate.outcome"] == "ok"
