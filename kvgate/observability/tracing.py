@@ -391,7 +391,7 @@ def _request_ended(span: Span, ctx: RequestContext, requested_model: str) -> Non
 def _tenant(span: Span, ctx: RequestContext) -> None:
     if ctx.tenant is not None:
         span.set_attribute("kvgate.tenant", ctx.tenant.name)
-        span.set_attribute("kvgate.tier", ctx.tier)
+        span.set_attribute("kvgate.tier", ctx.tenant.tier)
     if ctx.key_id is not None:
         span.set_attribute("kvgate.key_id", ctx.key_id)
 
