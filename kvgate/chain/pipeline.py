@@ -115,7 +115,7 @@ async def _traced(stage: Stage, ctx: RequestContext, trace: RequestTrace, name: 
         span.end(str(error.code))
         raise
     except asyncio.CancelledError:
-        span.end("cancelled")
+        span.end("interrupted")  # the client left, or a drain ended the request
         raise
     except Exception:
         span.end("internal_error")

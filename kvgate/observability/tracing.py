@@ -72,12 +72,14 @@ def build_tracing(
     names = _exporter_names(config)
     if not names:
         return None
+    sampler = ParentBased(TraceIdRatioBased(_sample_ratio(config)))
     processors: list[SpanProcessor]
     if exporter is not None:
         processors = [SimpleSpanProcessor(exporter)]
     else:
-        processors = [BatchSpanProcessor(_exporter(name, config)) for name in names]
-    sampler = ParentBased(TraceIdRatioBased(_sample_ratio(config)))
+        # Every exporter first: a refused one must not leave a processor's thread running.
+        exporters = [_exporter(name, config) for name in names]
+        processors = [BatchSpanProcessor(e) for e in exporters]
     resource = Resource.create({SERVICE_VERSION: __version__})
     if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
         resource = resource.merge(Resource({SERVICE_NAME: "kvgate"}))

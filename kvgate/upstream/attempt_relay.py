@@ -140,7 +140,7 @@ class AttemptRelay:
             record.abandoned()  # no-op unless the attempt ended without a verdict
             endpoint.end_attempt(ctx)
             if span is not None:
-                span.end("interrupted")  # cancelled (the client left) or a gateway bug
+                span.end("interrupted")  # the client left, a drain ended the request, or a bug
 
     @asynccontextmanager
     async def _opened(

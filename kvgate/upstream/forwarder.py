@@ -252,4 +252,4 @@ class Forwarder:
         else:
             span.end()
         finally:
-            span.end("interrupted")  # cancelled (the client left) or a gateway bug
+            span.end("interrupted")  # the client left, a drain ended the request, or a bug
