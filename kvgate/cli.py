@@ -37,10 +37,14 @@ def _loaded(path: Path) -> tuple[Config, dict[str, RoutingPolicy]] | None:
         load_tokenizers(config)  # a pool's tokenizer directory must load
         return config, policies
     except ConfigError as exc:
-        for problem in exc.problems:
-            print(f"{exc.source}: {problem}", file=sys.stderr)
-        print(f"{exc.source}: {len(exc.problems)} problem(s)", file=sys.stderr)
+        _print_problems(exc)
         return None
+
+
+def _print_problems(exc: ConfigError) -> None:
+    for problem in exc.problems:
+        print(f"{exc.source}: {problem}", file=sys.stderr)
+    print(f"{exc.source}: {len(exc.problems)} problem(s)", file=sys.stderr)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -90,7 +94,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                 "kvgate.hot_reload:app_from_env", factory=True, workers=args.workers, **options
             )
         return 0
-    app = ReloadableGateway(args.config)
+    try:
+        app = ReloadableGateway(args.config)
+    except ConfigError as exc:  # the OTEL_* variables are read only when the app is built
+        _print_problems(exc)
+        return 1
     use_header_timeout(config.server.header_timeout)
     public = uvicorn.Server(uvicorn.Config(app, **options))
     if config.server.admin_port is None:

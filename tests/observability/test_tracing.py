@@ -4,6 +4,9 @@ context reaching the engine, one span per attempt, and nothing at all when traci
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -294,3 +297,18 @@ def test_a_resumed_stream_has_a_resume_span_over_its_continuation(fleet, traced)
     assert resume.attributes["kvgate.resume.relayed_tokens"] >= 1
     assert continuation.status.status_code == StatusCode.UNSET
     assert root.attributes["kvgate.outcome"] == "ok"
+
+
+def test_serve_refuses_an_unsupported_otel_exporter_without_starting(tmp_path):
+    config = tmp_path / "kvgate.yaml"
+    config.write_text("pools: [{name: p, endpoints: [{url: 'http://127.0.0.1:9'}]}]\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "kvgate.cli", "serve", "--config", str(config), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "OTEL_TRACES_EXPORTER": "zipkin"},
+    )
+    assert result.returncode == 1
+    assert "$OTEL_TRACES_EXPORTER: unsupported trace exporter 'zipkin'" in result.stderr
+    assert "Traceback" not in result.stderr
