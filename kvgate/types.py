@@ -87,7 +87,7 @@ class RequestContext:
     resume_overhead_tokens: int = 0
     # The model the engine named in the answer it reported usage with (None: not reported).
     response_model: str | None = None
-    # This request's trace (kvgate/observability/tracing.py); None when tracing is off, and
+    # This request's trace (kvgate/observability/request_trace.py); None when tracing is off, and
     # then nothing on the request path touches OpenTelemetry.
     trace: RequestTrace | None = None
     _finishers: list[Callable[[RequestContext], None]] = field(default_factory=list)

@@ -1,11 +1,10 @@
-"""OpenTelemetry traces of requests: a span per request, a child per stage, per upstream attempt
-and per resume, with GenAI semantic-convention and kvgate attributes (docs/observability.md).
+"""OpenTelemetry tracing of one app: built from `observability.tracing` and the standard OTEL_*
+variables (docs/config.md, docs/observability.md).
 
 Off (`exporter: none`, the default) `build_tracing` returns None: the chain then makes no trace
 and nothing on the request path calls OpenTelemetry. On, each app (each worker process, each
 reload) has its own TracerProvider, batching spans to the exporter in a background thread, and
-flushes it when the app shuts down. The client's W3C `traceparent` is continued; each attempt
-sends its own span's context to the engine.
+flushes it when the app shuts down. The spans themselves: kvgate/observability/request_trace.py.
 
 Settings: a key of `observability.tracing` in the config wins; a key left out falls back to
 the standard OTEL_* variables, read when the app is built (see `build_tracing`).
@@ -14,11 +13,7 @@ the standard OTEL_* variables, read when the app is built (see `build_tracing`).
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable
-from urllib.parse import urlsplit
 
-from opentelemetry.context import Context
 from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_VERSION, Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import (
@@ -28,26 +23,13 @@ from opentelemetry.sdk.trace.export import (
     SpanExporter,
 )
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode, set_span_in_context
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from kvgate import __version__
 from kvgate.config import ConfigError, TracingConfig
-from kvgate.routing.endpoints import Endpoint
-from kvgate.types import Headers, RequestContext
+from kvgate.observability.request_trace import GatewayTracing
 
-_PROPAGATOR = TraceContextTextMapPropagator()
-_TRACE_HEADERS = {b"traceparent": "traceparent", b"tracestate": "tracestate"}
-# gen_ai.operation.name by route (the Responses API is OpenAI's newer chat interface).
-_OPERATIONS = {
-    "chat": "chat",
-    "completions": "text_completion",
-    "embeddings": "embeddings",
-    "responses": "chat",
-}
 _EXPORTERS = ("otlp", "console", "none")
 _PROTOCOLS = ("http/protobuf", "grpc")
-Attribute = str | int | float | bool
 
 
 def build_tracing(
@@ -150,282 +132,3 @@ def _exporter(name: str, config: TracingConfig) -> SpanExporter:
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
     return OTLPSpanExporter(endpoint=config.endpoint)
-
-
-class GatewayTracing:
-    """The chain's `Tracing`: starts one `_RequestTrace` per request."""
-
-    def __init__(self, provider: TracerProvider) -> None:
-        self.provider = provider
-        self.tracer = provider.get_tracer("kvgate", __version__)
-        self._servers: dict[str, tuple[str, int]] = {}
-
-    def start(self, ctx: RequestContext) -> _RequestTrace:
-        return _RequestTrace(self, ctx)
-
-    def server(self, endpoint: Endpoint) -> tuple[str, int]:
-        """The engine's host and port (server.address, server.port), parsed once."""
-        known = self._servers.get(endpoint.url)
-        if known is None:
-            parts = urlsplit(endpoint.url)
-            default = 443 if parts.scheme == "https" else 80
-            known = self._servers[endpoint.url] = (parts.hostname or "", parts.port or default)
-        return known
-
-    def shutdown(self) -> None:
-        """Export what is still buffered, then stop (blocks up to the exporter's timeout)."""
-        self.provider.shutdown()
-
-
-class _Step:
-    """An open span of a request; `end` closes it once."""
-
-    __slots__ = ("_done", "_on_end", "_trace", "span")
-
-    def __init__(
-        self,
-        trace: _RequestTrace,
-        span: Span,
-        on_end: Callable[[Span, RequestContext], None] | None = None,
-    ) -> None:
-        self._trace = trace
-        self.span = span
-        self._on_end = on_end
-        self._done = False
-
-    def set(self, key: str, value: Attribute) -> None:
-        self.span.set_attribute(key, value)
-
-    def headers(self) -> Headers:
-        return _context_headers(self.span)
-
-    def end(self, error: str | None = None) -> None:
-        if self._done:
-            return
-        self._done = True
-        if self.span.is_recording():
-            if self._on_end is not None:
-                self._on_end(self.span, self._trace.ctx)
-            if error is not None:
-                _failed(self.span, error)
-        self.span.end()
-        self._trace.closed(self)
-
-
-class _Folded:
-    """A step without a span of its own: a stage in `_FOLDED`, or any step of a request that
-    is not sampled (its spans would record nothing); `headers` name `parent`, if any."""
-
-    __slots__ = ("parent",)
-
-    def __init__(self, parent: Span | None = None) -> None:
-        self.parent = parent
-
-    def set(self, key: str, value: Attribute) -> None:
-        pass
-
-    def headers(self) -> Headers:
-        return [] if self.parent is None else _context_headers(self.parent)
-
-    def end(self, error: str | None = None) -> None:
-        pass
-
-
-# Stages that only read the config and the fleet's state (no I/O, no waiting), whose outcome
-# the request span records (a fallback model: `kvgate.model`; the responses gate's 404: the
-# request's status): a span each would cost as much as a real stage's and show nothing.
-_FOLDED = frozenset({"kvgate.responses", "kvgate.model_fallback"})
-_FOLDED_STEP = _Folded()
-
-
-class _RequestTrace:
-    """A request's span (SERVER kind) and its open steps; see `RequestTrace` in types.py."""
-
-    __slots__ = ("_open", "_operation", "_recording", "_requested", "_root", "_tracing", "ctx")
-
-    def __init__(self, tracing: GatewayTracing, ctx: RequestContext) -> None:
-        self._tracing = tracing
-        self.ctx = ctx
-        self._open: list[_Step] = []
-        self._operation = _OPERATIONS.get(ctx.route, ctx.route)
-        self._requested = ctx.model
-        started = time.time_ns() - int((time.perf_counter() - ctx.started) * 1e9)
-        self._root = tracing.tracer.start_span(
-            f"POST {ctx.upstream_path}",
-            context=_client_context(ctx.client_headers),
-            kind=SpanKind.SERVER,
-            start_time=started,
-            attributes={
-                "http.request.method": "POST",
-                "http.route": ctx.upstream_path,
-                "gen_ai.operation.name": self._operation,
-                "gen_ai.request.model": ctx.model,
-                "gen_ai.request.stream": ctx.stream,
-                "kvgate.request_id": ctx.request_id,
-            },
-        )
-        self._recording = self._root.is_recording()
-
-    def _parent(self) -> Context:
-        return set_span_in_context(self._open[-1].span if self._open else self._root)
-
-    def span(self, name: str) -> _Step | _Folded:
-        if name in _FOLDED or not self._recording:
-            return _FOLDED_STEP
-        span = self._tracing.tracer.start_span(name, context=self._parent())
-        step = _Step(self, span, _STEP_ATTRIBUTES.get(name))
-        self._open.append(step)
-        return step
-
-    def attempt(self, endpoint: Endpoint) -> _Step | _Folded:
-        if not self._recording:  # the engine still learns the trace is not sampled
-            return _Folded(self._root)
-        ctx = self.ctx
-        operation = self._operation
-        host, port = self._tracing.server(endpoint)
-        attributes: dict[str, Attribute] = {
-            "gen_ai.operation.name": operation,
-            "gen_ai.provider.name": endpoint.engine,
-            "gen_ai.request.model": ctx.model,
-            "server.address": host,
-            "server.port": port,
-            "kvgate.endpoint": endpoint.name,
-            "kvgate.pool": endpoint.pool,
-            "kvgate.attempt": ctx.attempts,
-        }
-        if ctx.prefix is not None:
-            attributes["kvgate.prefix.predicted_tokens"] = _predicted(ctx, endpoint.name)
-        span = self._tracing.tracer.start_span(
-            f"{operation} {ctx.model}",
-            context=self._parent(),
-            kind=SpanKind.CLIENT,
-            attributes=attributes,
-        )
-        step = _Step(self, span, _attempt_ended)
-        self._open.append(step)
-        return step
-
-    def closed(self, step: _Step) -> None:
-        if step in self._open:
-            self._open.remove(step)
-
-    def finish(self) -> None:
-        for step in reversed(self._open):  # a step left open by a bug must not leak
-            step.end("interrupted")
-        root = self._root
-        if root.is_recording():
-            _request_ended(root, self.ctx, self._requested)
-        root.end()
-
-
-def _context_headers(span: Span) -> Headers:
-    carrier: dict[str, str] = {}
-    _PROPAGATOR.inject(carrier, set_span_in_context(span))
-    return [(name.encode(), value.encode("latin-1")) for name, value in carrier.items()]
-
-
-def _client_context(headers: Headers) -> Context | None:
-    """The client's trace context (W3C traceparent, tracestate), or None to start a trace."""
-    carrier = {
-        _TRACE_HEADERS[name]: value.decode("latin-1")
-        for name, value in headers
-        if name in _TRACE_HEADERS
-    }
-    return _PROPAGATOR.extract(carrier) if carrier else None
-
-
-def _failed(span: Span, error: str) -> None:
-    span.set_attribute("error.type", error)
-    span.set_status(Status(StatusCode.ERROR, error))
-
-
-def _predicted(ctx: RequestContext, endpoint: str) -> int:
-    """Prompt tokens the prefix index predicted `endpoint` holds for this request."""
-    assert ctx.prefix is not None
-    return ctx.prefix.prompt_tokens - ctx.prefix.uncached_tokens(endpoint)
-
-
-def _usage(span: Span, ctx: RequestContext) -> None:
-    usage = ctx.usage
-    if usage is None:
-        return
-    for key, attribute in (
-        ("prompt_tokens", "gen_ai.usage.input_tokens"),
-        ("completion_tokens", "gen_ai.usage.output_tokens"),
-    ):
-        value = usage.get(key)
-        if isinstance(value, int):
-            span.set_attribute(attribute, value)
-    details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    if isinstance(cached, int):
-        span.set_attribute("gen_ai.usage.cache_read.input_tokens", cached)
-    if ctx.response_model is not None:
-        span.set_attribute("gen_ai.response.model", ctx.response_model)
-
-
-def _attempt_ended(span: Span, ctx: RequestContext) -> None:
-    _usage(span, ctx)
-
-
-def _request_ended(span: Span, ctx: RequestContext, requested_model: str) -> None:
-    span.set_attribute("http.response.status_code", ctx.status)
-    span.set_attribute("kvgate.outcome", ctx.outcome)
-    span.set_attribute("kvgate.attempts", ctx.attempts)
-    span.set_attribute("kvgate.resumes", ctx.resumes)
-    _tenant(span, ctx)
-    _intent(span, ctx)
-    if ctx.endpoint is not None:
-        _endpoint(span, ctx)
-        span.set_attribute("gen_ai.provider.name", ctx.endpoint.engine)
-    if ctx.model != requested_model:  # a routing fallback chose another model
-        span.set_attribute("kvgate.model", ctx.model)
-    if ctx.first_token_at is not None:
-        span.set_attribute("gen_ai.response.time_to_first_chunk", ctx.first_token_at - ctx.started)
-    _usage(span, ctx)
-    if ctx.outcome != "ok":
-        span.set_attribute("error.type", ctx.outcome)
-        # Server spans: a 4xx is the client's error, not the gateway's; a broken stream is.
-        if ctx.status >= 500 or ctx.committed:
-            span.set_status(Status(StatusCode.ERROR, ctx.outcome))
-
-
-def _tenant(span: Span, ctx: RequestContext) -> None:
-    if ctx.tenant is not None:
-        span.set_attribute("kvgate.tenant", ctx.tenant.name)
-        span.set_attribute("kvgate.tier", ctx.tenant.tier)
-    if ctx.key_id is not None:
-        span.set_attribute("kvgate.key_id", ctx.key_id)
-
-
-def _intent(span: Span, ctx: RequestContext) -> None:
-    intent = ctx.intent
-    if intent is None:
-        return
-    span.set_attribute("kvgate.class", intent.latency_class)
-    span.set_attribute("kvgate.prompt_tokens.estimated", intent.prompt_tokens)
-    span.set_attribute("gen_ai.request.max_tokens", intent.max_tokens)
-    if intent.rule is not None:
-        span.set_attribute("kvgate.class.rule", intent.rule)
-
-
-def _endpoint(span: Span, ctx: RequestContext) -> None:
-    assert ctx.endpoint is not None
-    span.set_attribute("kvgate.endpoint", ctx.endpoint.name)
-    span.set_attribute("kvgate.pool", ctx.endpoint.pool)
-    if ctx.prefix is not None:
-        span.set_attribute("kvgate.prefix.predicted_tokens", _predicted(ctx, ctx.endpoint.name))
-        span.set_attribute("kvgate.prefix.prompt_tokens", ctx.prefix.prompt_tokens)
-
-
-def _priority(span: Span, ctx: RequestContext) -> None:
-    span.set_attribute("kvgate.priority", ctx.priority)
-
-
-# What each stage span records when it ends (what that stage decided).
-_STEP_ATTRIBUTES: dict[str, Callable[[Span, RequestContext], None]] = {
-    "kvgate.auth": _tenant,
-    "kvgate.classify": _intent,
-    "kvgate.admission": _priority,
-    "kvgate.pick": lambda span, ctx: _endpoint(span, ctx) if ctx.endpoint is not None else None,
-}
