@@ -1,6 +1,7 @@
 """OpenTelemetry traces of a real gateway on uvicorn in front of simulated engines, read with
 the SDK's in-memory exporter: the span tree, the client's trace continued, the attempt's
-context reaching the engine, one span per attempt, and nothing at all when tracing is off."""
+context reaching the engine, one span per attempt, a resume span, sampling, the settings'
+precedence, and nothing at all when tracing is off."""
 
 from __future__ import annotations
 
