@@ -33,8 +33,9 @@ log = logging.getLogger("kvgate.chain")
 class Tracing(Protocol):
     """Where request traces come from (kvgate/observability/tracing.py)."""
 
-    def start(self, ctx: RequestContext) -> RequestTrace:
-        """The trace of a request that has just entered the chain."""
+    def start(self, ctx: RequestContext) -> RequestTrace | None:
+        """The trace of a request that has just entered the chain; None when it is not
+        traced (not sampled)."""
         ...
 
 

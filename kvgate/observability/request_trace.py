@@ -6,13 +6,21 @@ sends its own span's context to the engine. Built by kvgate/observability/tracin
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode, set_span_in_context
+from opentelemetry.trace import (
+    Span,
+    SpanKind,
+    Status,
+    StatusCode,
+    get_current_span,
+    set_span_in_context,
+)
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from kvgate import __version__
@@ -32,15 +40,27 @@ Attribute = str | int | float | bool
 
 
 class GatewayTracing:
-    """The chain's `Tracing`: starts one `_RequestTrace` per request."""
+    """The chain's `Tracing`: decides whether a request is traced and starts its trace.
 
-    def __init__(self, provider: TracerProvider) -> None:
+    Sampling is parent-based, decided here before any span exists, so that a request not
+    traced costs one scan of its headers and nothing else: a client's `traceparent` decides by
+    its sampled flag (a request it does not sample keeps that `traceparent`, passed on to the
+    engine untouched); a request without one is traced with probability `ratio`."""
+
+    def __init__(self, provider: TracerProvider, ratio: float) -> None:
         self.provider = provider
+        self.ratio = ratio
         self.tracer = provider.get_tracer("kvgate", __version__)
         self._servers: dict[str, tuple[str, int]] = {}
 
-    def start(self, ctx: RequestContext) -> _RequestTrace:
-        return _RequestTrace(self, ctx)
+    def start(self, ctx: RequestContext) -> _RequestTrace | None:
+        client = _client_context(ctx.client_headers)
+        if client is None:
+            if self.ratio < 1.0 and random.random() >= self.ratio:
+                return None
+        elif not get_current_span(client).get_span_context().trace_flags.sampled:
+            return None
+        return _RequestTrace(self, ctx, client)
 
     def server(self, endpoint: Endpoint) -> tuple[str, int]:
         """The engine's host and port (server.address, server.port), parsed once."""
@@ -82,29 +102,24 @@ class _Step:
         if self._done:
             return
         self._done = True
-        if self.span.is_recording():
-            if self._on_end is not None:
-                self._on_end(self.span, self._trace.ctx)
-            if error is not None:
-                _failed(self.span, error)
+        if self._on_end is not None:
+            self._on_end(self.span, self._trace.ctx)
+        if error is not None:
+            _failed(self.span, error)
         self.span.end()
         self._trace.closed(self)
 
 
 class _Folded:
-    """A step without a span of its own: a stage in `_FOLDED`, or any step of a request that
-    is not sampled (its spans would record nothing); `headers` name `parent`, if any."""
+    """A stage without a span of its own (see `_FOLDED`)."""
 
-    __slots__ = ("parent",)
-
-    def __init__(self, parent: Span | None = None) -> None:
-        self.parent = parent
+    __slots__ = ()
 
     def set(self, key: str, value: Attribute) -> None:
         pass
 
     def headers(self) -> Headers:
-        return [] if self.parent is None else _context_headers(self.parent)
+        return []
 
     def end(self, error: str | None = None) -> None:
         pass
@@ -120,9 +135,11 @@ _FOLDED_STEP = _Folded()
 class _RequestTrace:
     """A request's span (SERVER kind) and its open steps; see `RequestTrace` in types.py."""
 
-    __slots__ = ("_open", "_operation", "_recording", "_requested", "_root", "_tracing", "ctx")
+    __slots__ = ("_open", "_operation", "_requested", "_root", "_tracing", "ctx")
 
-    def __init__(self, tracing: GatewayTracing, ctx: RequestContext) -> None:
+    def __init__(
+        self, tracing: GatewayTracing, ctx: RequestContext, client: Context | None
+    ) -> None:
         self._tracing = tracing
         self.ctx = ctx
         self._open: list[_Step] = []
@@ -131,7 +148,7 @@ class _RequestTrace:
         started = time.time_ns() - int((time.perf_counter() - ctx.started) * 1e9)
         self._root = tracing.tracer.start_span(
             f"POST {ctx.upstream_path}",
-            context=_client_context(ctx.client_headers),
+            context=client,
             kind=SpanKind.SERVER,
             start_time=started,
             attributes={
@@ -143,22 +160,19 @@ class _RequestTrace:
                 "kvgate.request_id": ctx.request_id,
             },
         )
-        self._recording = self._root.is_recording()
 
     def _parent(self) -> Context:
         return set_span_in_context(self._open[-1].span if self._open else self._root)
 
     def span(self, name: str) -> _Step | _Folded:
-        if name in _FOLDED or not self._recording:
+        if name in _FOLDED:
             return _FOLDED_STEP
         span = self._tracing.tracer.start_span(name, context=self._parent())
         step = _Step(self, span, _STEP_ATTRIBUTES.get(name))
         self._open.append(step)
         return step
 
-    def attempt(self, endpoint: Endpoint) -> _Step | _Folded:
-        if not self._recording:  # the engine still learns the trace is not sampled
-            return _Folded(self._root)
+    def attempt(self, endpoint: Endpoint) -> _Step:
         ctx = self.ctx
         operation = self._operation
         host, port = self._tracing.server(endpoint)
@@ -191,10 +205,8 @@ class _RequestTrace:
     def finish(self) -> None:
         for step in reversed(self._open):  # a step left open by a bug must not leak
             step.end("interrupted")
-        root = self._root
-        if root.is_recording():
-            _request_ended(root, self.ctx, self._requested)
-        root.end()
+        _request_ended(self._root, self.ctx, self._requested)
+        self._root.end()
 
 
 def _context_headers(span: Span) -> Headers:
@@ -204,13 +216,16 @@ def _context_headers(span: Span) -> Headers:
 
 
 def _client_context(headers: Headers) -> Context | None:
-    """The client's trace context (W3C traceparent, tracestate), or None to start a trace."""
+    """The client's trace context (a valid W3C traceparent, and tracestate), or None."""
     carrier = {
         _TRACE_HEADERS[name]: value.decode("latin-1")
         for name, value in headers
         if name in _TRACE_HEADERS
     }
-    return _PROPAGATOR.extract(carrier) if carrier else None
+    if not carrier:
+        return None
+    context = _PROPAGATOR.extract(carrier)
+    return context if get_current_span(context).get_span_context().is_valid else None
 
 
 def _failed(span: Span, error: str) -> None:

@@ -22,7 +22,7 @@ from opentelemetry.sdk.trace.export import (
     SimpleSpanProcessor,
     SpanExporter,
 )
-from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 
 from kvgate import __version__
 from kvgate.config import ConfigError, TracingConfig
@@ -54,7 +54,7 @@ def build_tracing(
     names = _exporter_names(config)
     if not names:
         return None
-    sampler = ParentBased(TraceIdRatioBased(_sample_ratio(config)))
+    ratio = _sample_ratio(config)
     processors: list[SpanProcessor]
     if exporter is not None:
         processors = [SimpleSpanProcessor(exporter)]
@@ -65,11 +65,12 @@ def build_tracing(
     resource = Resource.create({SERVICE_VERSION: __version__})
     if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
         resource = resource.merge(Resource({SERVICE_NAME: "kvgate"}))
+    # Sampled before any span is made (GatewayTracing.start): every span made is recorded.
     # Shut down by the app (a reload makes a new provider), not kept alive until exit.
-    provider = TracerProvider(sampler=sampler, resource=resource, shutdown_on_exit=False)
+    provider = TracerProvider(sampler=ALWAYS_ON, resource=resource, shutdown_on_exit=False)
     for processor in processors:
         provider.add_span_processor(processor)
-    return GatewayTracing(provider)
+    return GatewayTracing(provider, ratio)
 
 
 def _exporter_names(config: TracingConfig) -> list[str]:
