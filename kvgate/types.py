@@ -87,8 +87,8 @@ class RequestContext:
     resume_overhead_tokens: int = 0
     # The model the engine named in the answer it reported usage with (None: not reported).
     response_model: str | None = None
-    # This request's trace (kvgate/observability/request_trace.py); None when tracing is off, and
-    # then nothing on the request path touches OpenTelemetry.
+    # This request's trace (kvgate/observability/request_trace.py); None when tracing is off or
+    # the request is not sampled, and then nothing on its path touches OpenTelemetry.
     trace: RequestTrace | None = None
     _finishers: list[Callable[[RequestContext], None]] = field(default_factory=list)
 
@@ -126,7 +126,8 @@ class TraceSpan(Protocol):
 
 class RequestTrace(Protocol):
     """The trace of one request: a span for the request, children for its steps. Made at the
-    start of the chain when tracing is on; the chain ends it with `finish` after settling.
+    start of the chain when tracing is on and the request sampled; the chain ends it with
+    `finish` after settling.
     A new span's parent is the innermost span of the request still open (a request's steps
     run one after the other)."""
 
