@@ -87,8 +87,8 @@ class RequestContext:
     resume_overhead_tokens: int = 0
     # The model the engine named in the answer it reported usage with (None: not reported).
     response_model: str | None = None
-    # This request's trace (kvgate/observability/request_trace.py); None when tracing is off or
-    # the request is not sampled, and then nothing on its path touches OpenTelemetry.
+    # This request's trace (kvgate/observability/request_trace.py); None when tracing is off (then
+    # nothing on the request path calls OpenTelemetry) or the request is not sampled.
     trace: RequestTrace | None = None
     _finishers: list[Callable[[RequestContext], None]] = field(default_factory=list)
 
