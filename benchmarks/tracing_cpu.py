@@ -1,0 +1,82 @@
+"""Gateway CPU per request with tracing off, on but sampling nothing, and tracing every request,
+closed loop (one request at a time), so the figure is each gateway process's own CPU time and
+not queueing on a shared machine.
+
+    flock /tmp/kvgate-bench.lock .venv/bin/python benchmarks/tracing_cpu.py [--rounds 8]
+        [--block 300]
+
+Starts benchmarks/fast_upstream.py, benchmarks/null_collector.py and three `kvgate serve`
+processes (tracing off; otlp at `sample_ratio` 0; otlp at 1.0), warms each with 200 requests,
+then sends `--block` non-streaming requests to each in turn, reversing the order every round
+(ABBA), and prints the CPU time (user + system, all threads) each gateway spent per request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+import services
+from overhead import _cpu_seconds
+
+_BODY = {"model": "bench-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+_WARMUP = 200
+
+
+def _tracing(collector: str, ratio: float) -> str:
+    settings = f'exporter: otlp, sample_ratio: {ratio}, endpoint: "{collector}/v1/traces"'
+    return f"observability: {{tracing: {{{settings}}}}}\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--block", type=int, default=300, help="requests per gateway per round")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp_name, ExitStack() as stack:
+        tmp = Path(tmp_name)
+        up_port = services.free_port()
+        stack.enter_context(services.fast_upstream(up_port, 8, 0.0))
+        col_port = services.free_port()
+        collector = [str(services.BENCH_DIR / "null_collector.py"), "--port", str(col_port)]
+        stack.enter_context(services.service(collector, col_port, "/"))
+        collector_url = f"http://127.0.0.1:{col_port}"
+        extras = {
+            "off": "",
+            "sampling nothing": _tracing(collector_url, 0.0),
+            "every request": _tracing(collector_url, 1.0),
+        }
+        gateways: dict[str, tuple[str, int]] = {}
+        for index, (name, extra) in enumerate(extras.items()):
+            port = services.free_port()
+            config = tmp / f"gateway-{index}.yaml"
+            config.write_text(
+                services.gateway_config(port, [f"http://127.0.0.1:{up_port}"]) + extra
+            )
+            proc = stack.enter_context(services.gateway(config, port))
+            gateways[name] = (f"http://127.0.0.1:{port}/v1/chat/completions", proc.pid)
+        client = stack.enter_context(httpx.Client())
+        for url, _ in gateways.values():
+            for _ in range(_WARMUP):
+                client.post(url, json=_BODY).raise_for_status()
+        cpu = dict.fromkeys(gateways, 0.0)
+        for round_number in range(args.rounds):
+            order = list(gateways) if round_number % 2 == 0 else list(reversed(gateways))
+            for name in order:
+                url, pid = gateways[name]
+                before = _cpu_seconds(pid)
+                for _ in range(args.block):
+                    client.post(url, json=_BODY).raise_for_status()
+                cpu[name] += _cpu_seconds(pid) - before
+        sent = args.rounds * args.block
+        base = cpu["off"] / sent
+        for name, seconds in cpu.items():
+            per = seconds / sent
+            print(f"tracing {name}: {1e6 * per:.0f} µs CPU per request ({per / base - 1:+.1%})")
+
+
+if __name__ == "__main__":
+    main()
