@@ -165,3 +165,18 @@ class Serve:
 
 def free_port() -> int:
     return _free_port()
+
+
+def chat(base: str, content: str = "hi", **extra: Any) -> httpx.Response:
+    """A two-token chat to sim-model as tenant `ops` (KEY); `extra` goes into the body."""
+    return httpx.post(
+        base + "/v1/chat/completions",
+        headers={"authorization": f"Bearer {KEY}"},
+        json={
+            "model": "sim-model",
+            "max_tokens": 2,
+            "messages": [{"role": "user", "content": content}],
+            **extra,
+        },
+        timeout=20,
+    )

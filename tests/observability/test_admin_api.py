@@ -17,7 +17,7 @@ from kvgate.fleet_admin import REDACTED, redacted_config
 from kvgate.hot_reload import ReloadableGateway
 from kvgate.sim import EngineOptions, SimFleet
 from tests.metrics_text import sample_value
-from tests.observability.serving import ADMIN_KEY, ADMIN_SECRET, KEY, SECRET, digest
+from tests.observability.serving import ADMIN_KEY, ADMIN_SECRET, KEY, SECRET, chat, digest
 from tests.servers import ServerThread
 
 UPSTREAM_KEY = "sk-upstream-9f2e"
@@ -67,19 +67,6 @@ def served(tmp_path: Path, fleet: SimFleet) -> Iterator[tuple[ReloadableGateway,
     gateway = ReloadableGateway(write(tmp_path / "gw.yaml", config_dict(fleet.urls)))
     with ServerThread(gateway) as server:
         yield gateway, server.url
-
-
-def chat(base: str, content: str = "hi") -> httpx.Response:
-    return httpx.post(
-        base + "/v1/chat/completions",
-        headers={"authorization": f"Bearer {KEY}"},
-        json={
-            "model": "sim-model",
-            "max_tokens": 2,
-            "messages": [{"role": "user", "content": content}],
-        },
-        timeout=20,
-    )
 
 
 def endpoints(base: str) -> dict[str, dict[str, Any]]:

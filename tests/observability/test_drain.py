@@ -15,7 +15,7 @@ import pytest
 
 from kvgate.hot_reload import ReloadableGateway
 from kvgate.sim import EngineOptions, SimFleet
-from tests.observability.serving import KEY, Serve, free_port
+from tests.observability.serving import KEY, Serve, chat, free_port
 from tests.observability.test_admin_api import ADMIN, config_dict, write
 from tests.servers import ServerThread
 
@@ -67,19 +67,6 @@ class LongStream:
         events = [e for e in self.body.split(b"\n\n") if e.strip()]
         data = events[-1].removeprefix(b"data: ")
         return data.decode() if data == b"[DONE]" else orjson.loads(data)
-
-
-def chat(base: str) -> httpx.Response:
-    return httpx.post(
-        base + "/v1/chat/completions",
-        headers={"authorization": f"Bearer {KEY}"},
-        json={
-            "model": "sim-model",
-            "max_tokens": 2,
-            "messages": [{"role": "user", "content": "hi"}],
-        },
-        timeout=20,
-    )
 
 
 async def _begin_drain(gateway: ReloadableGateway) -> None:

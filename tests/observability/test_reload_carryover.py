@@ -14,7 +14,7 @@ from kvgate.hot_reload import ReloadableGateway
 from kvgate.sim import EngineOptions, SimFleet
 from kvgate.sim.faults import Fault
 from tests.metrics_text import sample_value
-from tests.observability.serving import KEY
+from tests.observability.serving import KEY, chat
 from tests.observability.test_admin_api import ADMIN, config_dict, endpoints, write
 from tests.servers import ServerThread
 
@@ -26,20 +26,6 @@ def fleet() -> Iterator[SimFleet]:
     options = EngineOptions(models=["sim-model"], profile="fast")
     with SimFleet.in_thread(engines=3, options=options) as engines:
         yield engines
-
-
-def chat(base: str, content: str = "hi", **extra: Any) -> httpx.Response:
-    return httpx.post(
-        base + "/v1/chat/completions",
-        headers={"authorization": f"Bearer {KEY}"},
-        json={
-            "model": "sim-model",
-            "max_tokens": 2,
-            "messages": [{"role": "user", "content": content}],
-            **extra,
-        },
-        timeout=20,
-    )
 
 
 def reload(base: str) -> None:
