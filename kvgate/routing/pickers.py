@@ -119,13 +119,15 @@ class MaxScoreParams(NoParams):
     a group: the first spilled request goes to the best other candidate, which then holds the
     prefix and outscores the rest for the group's next requests (SGLang's gate instead sends
     every request to the least loaded worker while it holds, scattering the group).
-    Defaults 16 and 1.25 were chosen on the routing benchmark (engines of 64 sequences): 32
-    and 1.5 let one engine in four collapse in some runs of the sessions workload; raise
-    `imbalance_abs` for engines that batch many more sequences."""
+    The gate is a guard, not the balancer: the predicted cost already prices queued work and
+    the delay a recompute spreads, so the defaults are SGLang's router's (64 requests and
+    1.5x), a backlog of the order of one engine's whole batch. A tighter gate (16 and 1.25,
+    this picker's earlier default) took holders out at ordinary load swings and cost prefix
+    hits (benchmarks/RESULTS.md). Set `imbalance_abs` near your engines' `max_num_seqs`."""
 
     tie_margin: float = Field(0.02, ge=0, le=1)
-    imbalance_abs: float = Field(16, ge=0)
-    imbalance_rel: float = Field(1.25, ge=1)
+    imbalance_abs: float = Field(64, ge=0)
+    imbalance_rel: float = Field(1.5, ge=1)
     seed: int | None = None
 
 

@@ -61,7 +61,7 @@ def test_imbalance_gate_takes_an_overloaded_holder_out():
     a, b = endpoint("a"), endpoint("b")
     picker, _ = _picker(a, b)
     first = picker.choose(ctx(SYSTEM + "q"))
-    first.inflight = 40
+    first.inflight = 100
     first.decoding = 0
     assert picker.choose(ctx(SYSTEM + "q2")) is not first
 
@@ -70,7 +70,7 @@ def test_a_group_spilled_off_an_overloaded_holder_moves_to_one_new_holder():
     endpoints = [endpoint(name) for name in "abcde"]
     picker, _ = _picker(*endpoints)
     holder = picker.choose(ctx(SYSTEM + "q"))
-    holder.inflight = 40  # over the gate: 16 more than the others and 1.25x their load
+    holder.inflight = 100  # over the gate: 64 more than the others and 1.5x their load
     new_holder = picker.choose(ctx(SYSTEM + "q1"))
     assert new_holder is not holder
     assert all(picker.choose(ctx(SYSTEM + f"q{i}")) is new_holder for i in range(2, 12))
