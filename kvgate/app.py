@@ -145,6 +145,7 @@ class GatewayApp:
                 self.admission,
                 config.classification.chars_per_token,
             ),
+            self._index_mode,
         )
         # This app's state, read at scrape time (per process: docs/observability.md).
         self.views = (
@@ -182,6 +183,11 @@ class GatewayApp:
             settle=self._settle,
             tracing=self.tracing,
         )
+
+    def _index_mode(self, endpoint: str) -> tuple[str, str] | None:
+        """The endpoint's prefix-index mode for the admin API (None: no KV events)."""
+        precise = self.routing.precise
+        return precise.mode(endpoint) if precise is not None else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -52,12 +53,16 @@ class FleetAdminRoutes:
         resilience: Resilience,
         index: PrefixIndex,
         chain_routes: AdminRoutes,
+        index_mode: Callable[[str], tuple[str, str] | None],
     ) -> None:
+        """`index_mode(name)`: (`precise` | `approximate`, reason) for an endpoint with KV
+        events configured, None for one routed by the approximate index by configuration."""
         self.config = config
         self.fleet = fleet
         self.resilience = resilience
         self.index = index
         self.chain_routes = chain_routes
+        self.index_mode = index_mode
 
     def authorize(self, headers: Headers) -> None:
         """Raises (401/403) unless the headers carry an admin key or auth is open."""
@@ -111,6 +116,7 @@ class FleetAdminRoutes:
         breaker = self.resilience.breakers[endpoint]
         breaker_state = breaker.refresh()
         telemetry = endpoint.telemetry
+        mode = self.index_mode(endpoint.name)
         return {
             "name": endpoint.name,
             "pool": endpoint.pool,
@@ -141,7 +147,8 @@ class FleetAdminRoutes:
                 "held_seconds_left": round(max(0.0, breaker.held_until - now), 3),
             },
             "prefix_index": {
-                "mode": endpoint.index_mode,
+                "mode": mode[0] if mode is not None else "approximate",
+                "mode_reason": mode[1] if mode is not None else "no kv_events configured",
                 "blocks": self.index.entries(endpoint.name),
                 "capacity": self.index.capacity(endpoint.name),
             },

@@ -6,7 +6,7 @@ import logging
 import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvgate.config import EngineKind, PoolConfig
 from kvgate.routing.endpoint_load import EndpointLoad
@@ -17,8 +17,6 @@ if TYPE_CHECKING:
     from kvgate.types import RequestContext
 
 log = logging.getLogger("kvgate.health")
-
-IndexMode = Literal["approximate", "precise"]
 
 
 class BreakerView(Protocol):
@@ -110,9 +108,6 @@ class Endpoint:
     queued_at_scrape: int = 0
     unqueued_at_scrape: int = 0
     drained: bool = False
-    # Which prefix index routes here: `approximate` (the gateway's own routing decisions) or
-    # `precise` (the engine's KV events).
-    index_mode: IndexMode = "approximate"
     # id(ctx) → prompt tokens still to prefill, or -1 once the attempt decodes.
     _attempts: dict[int, int] = field(default_factory=dict)
 

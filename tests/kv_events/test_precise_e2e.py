@@ -157,6 +157,14 @@ def test_a_stopped_publisher_falls_back_within_three_intervals_and_recovers(
     assert modes(app)[first] == "approximate", served
     assert elapsed < 3 * SCRAPE + 3.0  # the stall limit (3 intervals) plus slack for CI
     assert httpx.get(server.url + "/readyz").json()["approximate_endpoints"] == [first]
+    listed = httpx.get(server.url + "/admin/endpoints").json()["data"]
+    index_modes = {e["name"]: e["prefix_index"] for e in listed}
+    assert index_modes[first] == {
+        **index_modes[first],
+        "mode": "approximate",
+        "mode_reason": "stalled",
+    }
+    assert all(m["mode"] == "precise" for name, m in index_modes.items() if name != first)
     metrics = httpx.get(server.url + "/metrics").text
     assert sample_value(metrics, "kvgate_kv_events_precise", endpoint=first, reason="stalled") == 0
     victim.set_kv_event_fault(None)  # batches flow again; the ones held back are replayed
