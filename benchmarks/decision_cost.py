@@ -24,8 +24,23 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _p50_p99(samples: list[float]) -> dict[str, float]:
+def p50_p99(samples: list[float]) -> dict[str, float]:
     return {"p50": _percentile(samples, 0.5), "p99": _percentile(samples, 0.99)}
+
+
+def random_load(endpoints: list[Any], rng: random.Random) -> None:
+    """Fresh telemetry and in-flight work on every endpoint, as a scrape leaves them."""
+    from kvgate.routing.telemetry import EngineTelemetry
+
+    now = time.monotonic()
+    for e in endpoints:
+        e.telemetry = EngineTelemetry(
+            scraped_at=now,
+            waiting=float(rng.randrange(4)),
+            running=float(rng.randrange(40)),
+            kv_usage=rng.random() * 0.85,
+        )
+        e.inflight, e.peer_inflight = rng.randrange(30), rng.randrange(5)
 
 
 def micro() -> dict[str, Any]:
@@ -38,7 +53,6 @@ def micro() -> dict[str, Any]:
     from kvgate.routing.router import PolicyPicker
     from kvgate.routing.services import RoutingServices
     from kvgate.routing.settings import RoutingConfig
-    from kvgate.routing.telemetry import EngineTelemetry
     from kvgate.types import RequestContext
 
     rng = random.Random(3)
@@ -54,7 +68,7 @@ def micro() -> dict[str, Any]:
             t = time.perf_counter()
             hasher.hashes(text_32k, MODEL, "salt")
             samples.append((time.perf_counter() - t) * 1e6)
-        out[label] = _p50_p99(samples)
+        out[label] = p50_p99(samples)
 
     def ctx(text: str) -> RequestContext:
         payload = {"model": MODEL, "messages": [{"role": "user", "content": text}]}
@@ -85,17 +99,6 @@ def micro() -> dict[str, Any]:
         gc.collect()
         gc.freeze()  # as the gateway does at startup
 
-        def scrape() -> None:  # fresh telemetry and in-flight work on every endpoint
-            now = time.monotonic()
-            for e in endpoints:
-                e.telemetry = EngineTelemetry(
-                    scraped_at=now,
-                    waiting=float(rng.randrange(4)),
-                    running=float(rng.randrange(40)),
-                    kv_usage=rng.random() * 0.85,
-                )
-                e.inflight, e.peer_inflight = rng.randrange(30), rng.randrange(5)
-
         def prompt(i: int) -> str:
             head = systems[i % 32] if shared else f"{i} " + tails[(i * 7) % 50]
             return head + f" {i} " + tails[i % 50]  # ≈ 8k tokens
@@ -103,7 +106,7 @@ def micro() -> dict[str, Any]:
         def timed(i: int) -> float:
             request = ctx(prompt(i))
             if i % 100 == 0:
-                scrape()
+                random_load(endpoints, rng)
             t = time.perf_counter()
             picker.choose(request)
             return (time.perf_counter() - t) * 1e6
@@ -123,7 +126,7 @@ def micro() -> dict[str, Any]:
             warmup.append(timed(len(warmup)))
         samples = [timed(len(warmup) + i) for i in range(3000)]
         gc.unfreeze()
-        return _p50_p99(samples), _p50_p99(warmup), services.index
+        return p50_p99(samples), p50_p99(warmup), services.index
 
     def collection_ms() -> float:
         """The fastest of three full collections (after one that frees what it can)."""

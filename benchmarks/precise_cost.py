@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import gc
 import json
-import math
 import random
 import time
 import tracemalloc
@@ -24,6 +23,7 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+from decision_cost import p50_p99, random_load
 from services import free_port
 from workloads import MODEL, words
 
@@ -33,13 +33,6 @@ FILLER_BLOCKS = 5_000  # per endpoint, besides the shared system prompts
 # Each engine keeps the blocks of its last this many requests, then evicts the oldest
 # (BlockRemoved): the speculative entries are confirmed as in a running fleet.
 KEPT_REQUESTS = 8
-
-
-def _p50_p99(samples: list[float]) -> dict[str, float]:
-    if not samples:
-        return {"p50": math.nan, "p99": math.nan}
-    ordered = sorted(samples)
-    return {"p50": ordered[len(ordered) // 2], "p99": ordered[int(0.99 * len(ordered))]}
 
 
 async def _answer_nothing_sent(router: zmq.asyncio.Socket) -> None:
@@ -80,7 +73,6 @@ async def _decisions(out: dict[str, Any]) -> None:
     from kvgate.routing.prompt_tokens import SimTokenizer
     from kvgate.routing.router import PolicyPicker
     from kvgate.routing.services import RoutingServices
-    from kvgate.routing.telemetry import EngineTelemetry
 
     rng = random.Random(15)
     context = zmq.asyncio.Context()
@@ -138,17 +130,6 @@ async def _decisions(out: dict[str, Any]) -> None:
         gc.collect()
         gc.freeze()  # as the gateway does at startup
 
-        def scrape() -> None:
-            now = time.monotonic()
-            for e in endpoints:
-                e.telemetry = EngineTelemetry(
-                    scraped_at=now,
-                    waiting=float(rng.randrange(4)),
-                    running=float(rng.randrange(40)),
-                    kv_usage=rng.random() * 0.85,
-                )
-                e.inflight, e.peer_inflight = rng.randrange(30), rng.randrange(5)
-
         def payload(i: int, system: str) -> dict[str, Any]:
             question = f"{i} " + tails[i % 50]
             return {
@@ -179,7 +160,7 @@ async def _decisions(out: dict[str, Any]) -> None:
         holders_found = 0
         for i in range(3_500):
             if i % 100 == 0:
-                scrape()
+                random_load(endpoints, rng)
             body = payload(i, systems[i % 32])
             ctx = request_context("chat", body, upstream_path="/")
             started = time.perf_counter()
@@ -201,10 +182,10 @@ async def _decisions(out: dict[str, Any]) -> None:
                 SimTokenizer().prompt_ids("chat", fresh)
                 tokenize_new.append((time.perf_counter() - started) * 1e6)
         gc.unfreeze()
-        out["precise_decision_8k_tokens_64_endpoints_us"] = _p50_p99(decisions)
+        out["precise_decision_8k_tokens_64_endpoints_us"] = p50_p99(decisions)
         out["precise_decisions_finding_a_holder"] = holders_found / len(decisions)
-        out["sim_tokenize_8k_chat_shared_system_us"] = _p50_p99(tokenize_shared)
-        out["sim_tokenize_8k_chat_all_new_us"] = _p50_p99(tokenize_new)
+        out["sim_tokenize_8k_chat_shared_system_us"] = p50_p99(tokenize_shared)
+        out["sim_tokenize_8k_chat_all_new_us"] = p50_p99(tokenize_new)
     finally:
         await precise.stop()
         serving.cancel()
