@@ -34,6 +34,7 @@ from kvgate.observability.access_log import AccessLog
 from kvgate.observability.cost import Pricing
 from kvgate.observability.metrics import GatewayMetrics
 from kvgate.observability.precise import PreciseCollector
+from kvgate.observability.process import ProcessCollector
 from kvgate.observability.resilience import BreakerStateCollector
 from kvgate.observability.routing import RoutingCollector
 from kvgate.observability.state import StateCollector
@@ -153,6 +154,7 @@ class GatewayApp:
             StateCollector(self.store, self.fleet),
             BreakerStateCollector(self.resilience),
             PreciseCollector(self.routing),
+            ProcessCollector(),
         )
         self.health = HealthMonitor(
             self.fleet, self.client, config.health, on_recovered=self.resilience.health_recovered

