@@ -118,15 +118,20 @@ pools:
 
 @contextlib.contextmanager
 def sim_fleet(speed: float) -> Iterator[list[str]]:
-    """`kvgate sim` with ENGINES engines on consecutive ports; yields their URLs."""
-    base = free_port()
-    args = ["-m", "kvgate.cli", "sim", "--engines", str(ENGINES), "--base-port", str(base)]
+    """`kvgate sim` with ENGINES engines on ephemeral ports; yields their URLs (it prints one
+    line per engine once listening: `engine <i> <flavor> <model> <url>`)."""
+    args = ["-m", "kvgate.cli", "sim", "--engines", str(ENGINES), "--base-port", "0"]
     args += ["--profile", "realistic", "--speed", str(speed)]
-    proc = subprocess.Popen([PYTHON, *args], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen([PYTHON, *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
     try:
-        for i in range(ENGINES):
-            wait_ready(proc, base + i, "/health")
-        yield [f"http://127.0.0.1:{base + i}" for i in range(ENGINES)]
+        assert proc.stdout is not None
+        lines = [proc.stdout.readline().decode().split() for _ in range(ENGINES)]
+        if not all(len(line) >= 5 for line in lines):
+            raise RuntimeError(f"kvgate sim did not start its engines: {lines!r}")
+        urls = [line[4] for line in lines]
+        for url in urls:
+            wait_ready(proc, int(url.rsplit(":", 1)[1]), "/health")
+        yield urls
     finally:
         stop(proc)
 
