@@ -19,6 +19,12 @@ scenario reports:
   /metrics every 100 ms);
 - recover: seconds from clearing the fault to the first intended send time after which every
   request completed.
+
+Then the bursts (issue 16): on a fresh pool of 3 (or 8) engines and a fresh gateway, round
+robin, 30 (or 200) streamed requests sent at once while one engine resets connections before
+its first byte, refuses them, or answers 503, and a 503 storm on every engine. Each reports
+the outcomes as above, the HTTP statuses and the amplification (engine requests / sent). The
+rows are named B1..B5, so `--only B` runs the bursts alone.
 """
 
 from __future__ import annotations
@@ -109,6 +115,63 @@ SCENARIOS = [
             1: {"mode": "http_error", "status": 503, "retry_after": 2},
         },
         "honoured (held), budgeted; lost = 0",
+    ),
+]
+
+
+@dataclass
+class Burst:
+    """Issue 16's burst: `at_once` streamed requests sent together to a fresh gateway over a
+    fresh pool of `engines` (round robin) while `faulted` engines have `fault`."""
+
+    name: str
+    engines: int
+    at_once: int
+    fault: dict[str, Any]
+    faulted: int
+    criterion: str
+
+
+BURSTS = [
+    Burst(
+        "B1 burst, 1 of 3 resets before first byte",
+        3,
+        30,
+        {"mode": "reset_before_first_byte"},
+        1,
+        "lost = 0, every answer complete",
+    ),
+    Burst(
+        "B2 burst, 1 of 3 refuses connections",
+        3,
+        30,
+        {"mode": "refuse"},
+        1,
+        "lost = 0, every answer complete",
+    ),
+    Burst(
+        "B3 burst, 1 of 3 answers 503",
+        3,
+        30,
+        {"mode": "http_error", "status": 503},
+        1,
+        "lost = 0, every answer complete",
+    ),
+    Burst(
+        "B4 burst, 1 of 8 resets, 200 at once",
+        8,
+        200,
+        {"mode": "reset_before_first_byte"},
+        1,
+        "lost = 0, every answer complete",
+    ),
+    Burst(
+        "B5 burst, 503 storm on all 3",
+        3,
+        60,
+        {"mode": "http_error", "status": 503},
+        3,
+        "fast 503s; amplification <= 1.1",
     ),
 ]
 
@@ -366,7 +429,56 @@ def row(report: Report, expected: list[str]) -> str:
     )
 
 
-async def main_async(args: argparse.Namespace) -> str:
+async def run_burst(burst: Burst, speed: float, workdir: Path) -> str:
+    """One burst on its own fleet and gateway; its table row."""
+    options = EngineOptions(profile="realistic", speed=speed)
+    with SimFleet.in_thread(engines=burst.engines, options=options) as fleet:
+        expected = await references(fleet)
+        port = free_port()
+        config = workdir / "gateway.yaml"
+        config.write_text(gateway_yaml(port, fleet.urls, resume=False))
+        with gateway(config, port):
+            for index in range(burst.faulted):
+                fleet.engines[index].set_fault(burst.fault)
+            before = sum(e.stats()["requests_received"] for e in fleet.engines)
+            samples = [Sample(0.0, i % len(PROMPTS)) for i in range(burst.at_once)]
+            limits = httpx.Limits(max_connections=burst.at_once)
+            async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+                url = f"http://127.0.0.1:{port}/v1/chat/completions"
+                origin = time.monotonic()
+                await asyncio.gather(*(one(client, url, s, origin, False) for s in samples))
+            received = sum(e.stats()["requests_received"] for e in fleet.engines) - before
+            for index in range(burst.faulted):
+                fleet.engines[index].clear_fault()
+    counts = {k: sum(s.outcome == k for s in samples) for k in ("complete", "error", "lost")}
+    wrong = sum(1 for s in samples if s.outcome == "complete" and s.text != expected[s.prompt])
+    statuses = ", ".join(
+        f"{status}: {sum(s.status == status for s in samples)}"
+        for status in sorted({s.status for s in samples})
+    )
+    return (
+        f"| {burst.name} | {burst.engines} | {burst.at_once} | {counts['complete']} | "
+        f"{counts['error']} | {statuses} | {counts['lost']} | {wrong} | "
+        f"{received / burst.at_once:.2f} | {burst.criterion} |"
+    )
+
+
+async def bursts_table(args: argparse.Namespace) -> str:
+    lines = [
+        "| burst | engines | at once | complete | error | HTTP status: count | lost | "
+        "wrong text | amplification | criterion |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        for burst in BURSTS:
+            if args.only and not burst.name.startswith(args.only):
+                continue
+            lines.append(await run_burst(burst, args.speed, Path(tmp)))
+            print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
+async def matrix_table(args: argparse.Namespace) -> str:
     options = EngineOptions(profile="realistic", speed=args.speed)
     lines = [
         "| scenario | sent | complete | error | of which HTTP errors | lost | wrong text | "
@@ -388,6 +500,15 @@ async def main_async(args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+async def main_async(args: argparse.Namespace) -> tuple[str, str]:
+    """The matrix and the bursts tables (empty when `--only` selects none of their rows)."""
+    wanted = [s for s in SCENARIOS if s.name.startswith(args.only)]
+    matrix = await matrix_table(args) if wanted else ""
+    wanted_bursts = [b for b in BURSTS if b.name.startswith(args.only)]
+    bursts = await bursts_table(args) if wanted_bursts else ""
+    return matrix, bursts
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rate", type=float, default=20.0, help="requests per second")
@@ -396,7 +517,7 @@ def main() -> int:
     parser.add_argument("--only", default="", help="run the scenarios whose name starts so")
     parser.add_argument("--output", type=Path, help="append the results section to FILE")
     args = parser.parse_args()
-    table = asyncio.run(main_async(args))
+    matrix, bursts = asyncio.run(main_async(args))
     machine = (
         f"nproc {os.cpu_count()}, {platform.processor() or platform.machine()}, "
         f"Python {platform.python_version()}"
@@ -404,11 +525,20 @@ def main() -> int:
     command = "python benchmarks/faults.py " + " ".join(sys.argv[1:])
     section = (
         f"\n## Fault matrix ({datetime.date.today().isoformat()})\n\n"
-        f"Machine: {machine}. Command: `{command.strip()}`. Pool of 4 simulated engines "
-        f"(realistic, speed {args.speed}), {args.rate:g} req/s open loop, streamed chat "
-        f"({MAX_TOKENS} tokens), phases of {args.seconds:g} s: healthy, faulted, "
-        "cleared.\n\n" + table + "\n"
+        f"Machine: {machine}. Command: `{command.strip()}`.\n"
     )
+    if matrix:
+        section += (
+            f"\nPool of 4 simulated engines (realistic, speed {args.speed}), {args.rate:g} req/s "
+            f"open loop, streamed chat ({MAX_TOKENS} tokens), phases of {args.seconds:g} s: "
+            "healthy, faulted, cleared.\n\n" + matrix + "\n"
+        )
+    if bursts:
+        section += (
+            f"\nBursts: streamed chat ({MAX_TOKENS} tokens), all requests sent at once to a "
+            f"fresh gateway (round robin) over a fresh pool (realistic, speed {args.speed}), "
+            "the fault already on.\n\n" + bursts + "\n"
+        )
     print(section)
     if args.output:
         with args.output.open("a") as out:

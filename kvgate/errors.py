@@ -118,6 +118,11 @@ class RequestTimeout(ClientError):
     status = 408
     default_code = "request_timeout"
 
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        # The rest of the body may still be trickling in, and uvicorn restarts a connection's
+        # keep-alive timer on every read: without `close` the client keeps it open at will.
+        return [*super().headers(), (b"connection", b"close")]
+
 
 class PayloadTooLarge(ClientError):
     status = 413
