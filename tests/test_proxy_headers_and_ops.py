@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -115,3 +118,33 @@ def test_metrics_count_requests_and_latency(upstream, gateway):
     assert sum(s.value for s in durations) == 1
     inflight = [s.value for s in families["kvgate_endpoint_inflight_requests"].samples]
     assert inflight == [0]
+
+
+def test_metrics_count_the_event_loops_tasks(upstream, gateway):
+    """`kvgate_process_asyncio_tasks` follows the requests in flight (each held by the task
+    serving it) and falls back when they end: the gauge a soak reads to see a task leak."""
+    engine, _ = upstream
+    _, server = gateway
+
+    def tasks() -> float:
+        text = httpx.get(server.url + "/metrics").text
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        return families["kvgate_process_asyncio_tasks"].samples[0].value
+
+    idle = tasks()
+    assert idle >= 1  # the scrape's own task at least
+    engine.script.headers_delay = 2.0
+    with ThreadPoolExecutor(max_workers=5) as pool:
+        held = [
+            pool.submit(httpx.post, server.url + "/v1/chat/completions", json=CHAT, timeout=30)
+            for _ in range(5)
+        ]
+        deadline = time.monotonic() + 10
+        while len(engine.inference_requests) < 5 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert tasks() >= idle + 5
+        assert [f.result().status_code for f in held] == [200] * 5
+    deadline = time.monotonic() + 10
+    while tasks() > idle and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert tasks() == idle
