@@ -15,18 +15,21 @@ Redis quota call). This script is the open-loop client (Poisson arrivals).
    first chunk. Engine 1 gets faults for stretches of 5% of the run each (through
    `POST /sim/faults`), and half way Redis is killed, left down for 1% of the run (1 to 10 s)
    and started again empty.
-   Every `--sample-every` seconds: the gateway process's RSS and open fds (/proc) and its asyncio
-   task count (`kvgate_process_asyncio_tasks` in /metrics).
+   Every `--sample-every` seconds: the gateway process's RSS and open fds (/proc), its asyncio
+   task count (`kvgate_process_asyncio_tasks` in /metrics) and its TCP connections to the
+   engines and to Redis (pools that explain a step in fds).
 
 Reported: RSS growth from the end of the warm-up (the first 5 minutes, or a quarter of a
-shorter run) to the end, as medians of the first and last minute's samples (so in-flight
-requests do not decide it); the same for fds and tasks, and both again idle, after the load
-stopped; outcomes per request. A request is lost unless it completed, was dropped by its own
-client, or ended with a well-formed OpenAI error while a fault that must fail it was on: a
-stream that already relayed tokens from an engine that then crashes (`crash_after_tokens`) or
-stalls (`stall_after_tokens`) cannot be retried without `resume` (off here), so the gateway
-ends it with an error event. Every other fault (reset before the first byte, a 503, a slow
-first token, a hanging health route, the Redis restart) must cost no request.
+shorter run) to the end, as medians of a minute's samples (so in-flight requests do not decide
+it), and over the second half alone (a leak keeps growing; a high-water mark set by one peak
+of concurrency does not); the same for the other samples, and all again idle, before and after
+the load; outcomes per request (`--dump` writes the samples and every request not completed).
+A request is lost unless it completed, was dropped by its own client, or ended with a
+well-formed OpenAI error while a fault that must fail it was on: a stream that already relayed
+tokens from an engine that then crashes (`crash_after_tokens`) or stalls
+(`stall_after_tokens`) cannot be retried without `resume` (off here), so the gateway ends it
+with an error event. Every other fault (reset before the first byte, a 503, a slow first
+token, a hanging health route, the Redis restart) must cost no request.
 Exit status 1 when a request was lost.
 """
 
@@ -75,6 +78,13 @@ FAULTS: list[tuple[float, float, dict[str, object]]] = [
 MUST_FAIL = ("crash_after_tokens", "stall_after_tokens")
 REDIS_RESTART_AT = 0.5
 TASKS_METRIC = "kvgate_process_asyncio_tasks "
+SAMPLED = (
+    ("rss_mib", "MiB"),
+    ("fds", ""),
+    ("tasks", ""),
+    ("upstream_conns", ""),
+    ("redis_conns", ""),
+)
 
 
 @dataclass
@@ -196,10 +206,18 @@ async def one(
     return Outcome(sent, time.monotonic() - origin, kind, outcome, code)
 
 
-async def load(client: httpx.AsyncClient, rate: float, seconds: float, seed: int, run: Run) -> None:
-    """Open-loop Poisson arrivals for `seconds`; waits for every request to end."""
+async def load(
+    client: httpx.AsyncClient,
+    rate: float,
+    seconds: float,
+    seed: int,
+    run: Run,
+    origin: float | None = None,
+) -> None:
+    """Open-loop Poisson arrivals for `seconds` from `origin` (a `time.monotonic()` value; now
+    by default); waits for every request to end."""
     rng = random.Random(seed)
-    origin = time.monotonic()
+    origin = time.monotonic() if origin is None else origin
     pending: set[asyncio.Task[Outcome]] = set()
 
     def done(task: asyncio.Task[Outcome]) -> None:
@@ -300,9 +318,9 @@ def fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def upstream_connections(pid: int, ports: set[int]) -> int:
-    """The process's TCP sockets whose remote port is one of `ports` (its pooled keep-alive
-    connections to the engines, bounded by the upstream pool: they explain a step in fds)."""
+def connections_to(pid: int, ports: set[int]) -> int:
+    """The process's TCP sockets whose remote port is one of `ports`: its pooled connections
+    to the engines or to Redis, which explain a step in its fds."""
     inodes = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):
         with contextlib.suppress(OSError):
@@ -320,7 +338,7 @@ def upstream_connections(pid: int, ports: set[int]) -> int:
 
 
 async def sample(
-    client: httpx.AsyncClient, pid: int, origin: float, engine_ports: set[int]
+    client: httpx.AsyncClient, pid: int, origin: float, ports: dict[str, set[int]]
 ) -> dict[str, float]:
     tasks = -1.0
     with contextlib.suppress(httpx.HTTPError):
@@ -332,12 +350,18 @@ async def sample(
         "rss_mib": rss_bytes(pid) / 2**20,
         "fds": float(fds(pid)),
         "tasks": tasks,
-        "upstream_conns": float(upstream_connections(pid, engine_ports)),
+        "upstream_conns": float(connections_to(pid, ports["engines"])),
+        "redis_conns": float(connections_to(pid, ports["redis"])),
     }
 
 
 async def sampler(
-    client: httpx.AsyncClient, pid: int, origin: float, every: float, ports: set[int], run: Run
+    client: httpx.AsyncClient,
+    pid: int,
+    origin: float,
+    every: float,
+    ports: dict[str, set[int]],
+    run: Run,
 ) -> None:
     while True:
         run.samples.append(await sample(client, pid, origin, ports))
@@ -353,16 +377,19 @@ def growth_rows(run: Run, duration: float, idle: tuple[dict[str, float], dict[st
     warm = min(300.0, duration / 4)
     window = min(60.0, duration / 8)
     rows = [
-        "| measure | after warm-up | at the end | growth | idle before | idle after |",
-        "|---|---|---|---|---|---|",
+        "| measure | after warm-up | half way | at the end | growth | growth, second half | "
+        "idle before | idle after |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for key, unit in (("rss_mib", "MiB"), ("fds", ""), ("tasks", ""), ("upstream_conns", "")):
+    for key, unit in SAMPLED:
         first = median_between(run.samples, key, warm, warm + window)
+        half = median_between(run.samples, key, duration / 2, duration / 2 + window)
         last = median_between(run.samples, key, duration - window, duration)
         growth = f"{100 * (last - first) / first:+.1f}%" if first else "-"
+        late = f"{100 * (last - half) / half:+.1f}%" if half else "-"
         rows.append(
-            f"| {key} | {first:.1f} {unit} | {last:.1f} {unit} | {growth} | "
-            f"{idle[0][key]:.1f} | {idle[1][key]:.1f} |"
+            f"| {key} | {first:.1f} {unit} | {half:.1f} {unit} | {last:.1f} {unit} | {growth} | "
+            f"{late} | {idle[0][key]:.1f} | {idle[1][key]:.1f} |"
         )
     return "\n".join(rows)
 
@@ -429,20 +456,20 @@ async def soak(
     config.write_text(gateway_yaml(port, urls, redis.url))
     run = Run()
     url = f"http://127.0.0.1:{port}"
-    ports = {int(u.rsplit(":", 1)[1]) for u in urls}
+    ports = {"engines": {int(u.rsplit(":", 1)[1]) for u in urls}, "redis": {redis.port}}
     with gateway(config, port) as proc:
-        origin = time.monotonic()
         # Idle samples through a client of their own: the load's keep-alive pool (its size set
         # by the run's peak concurrency) is closed by then and not counted as the gateway's fds.
         async with client_for(url) as idle_client:
-            before = await sample(idle_client, proc.pid, origin, ports)
+            before = await sample(idle_client, proc.pid, time.monotonic(), ports)
         async with client_for(url) as client:
+            origin = time.monotonic()  # one clock for requests, faults and samples
             watcher = asyncio.create_task(
                 sampler(client, proc.pid, origin, args.sample_every, ports, run)
             )
             chaos = asyncio.create_task(faults(urls, redis, args.duration, origin, run))
             try:
-                await load(client, args.rate, args.duration, 7, run)
+                await load(client, args.rate, args.duration, 7, run, origin)
             finally:
                 chaos.cancel()
                 watcher.cancel()
@@ -474,6 +501,18 @@ async def main_async(args: argparse.Namespace) -> tuple[str, int]:
         redis.stop()
     if args.plot:
         plot(run, args.plot)
+    if args.dump:
+        args.dump.write_bytes(
+            orjson.dumps(
+                {
+                    "samples": run.samples,
+                    "idle": idle,
+                    "not_complete": [
+                        o.__dict__ for o in run.outcomes if o.outcome in ("error", "lost")
+                    ],
+                }
+            )
+        )
     outcomes, lost = outcome_rows(run)
     lag = sorted(run.lag)
     cap_table = (
@@ -508,6 +547,9 @@ def main() -> int:
     )
     parser.add_argument("--no-plot", dest="plot", action="store_const", const=None)
     parser.add_argument("--output", type=Path, help="append the results section to FILE")
+    parser.add_argument(
+        "--dump", type=Path, help="write the samples and every request not completed (JSON)"
+    )
     args = parser.parse_args()
     started = datetime.datetime.now(datetime.UTC)
     body, lost = asyncio.run(main_async(args))

@@ -28,7 +28,7 @@ def test_a_short_soak_runs_every_phase_and_loses_nothing():
     assert "Lost requests: 0." in out
     # The task count comes from the gateway's kvgate_process_asyncio_tasks gauge (-1: unread).
     for name in ("rss_mib", "fds", "tasks"):
-        idle_before, idle_after = (float(cell) for cell in _row(out, name)[4:6])
+        idle_before, idle_after = (float(cell) for cell in _row(out, name)[6:8])
         assert idle_before > 0 and idle_after > 0
     sent = sum(int(_row(out, kind)[1]) for kind in ("stream", "plain", "drop"))
     assert sent >= 10
