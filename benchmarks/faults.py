@@ -32,8 +32,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import os
-import platform
 import random
 import sys
 import tempfile
@@ -44,7 +42,7 @@ from typing import Any
 
 import httpx
 import orjson
-from services import BENCH_DIR, free_port, gateway
+from services import BENCH_DIR, free_port, gateway, machine
 
 sys.path.insert(0, str(BENCH_DIR.parent))
 from kvgate.sim import EngineOptions, SimFleet
@@ -518,14 +516,10 @@ def main() -> int:
     parser.add_argument("--output", type=Path, help="append the results section to FILE")
     args = parser.parse_args()
     matrix, bursts = asyncio.run(main_async(args))
-    machine = (
-        f"nproc {os.cpu_count()}, {platform.processor() or platform.machine()}, "
-        f"Python {platform.python_version()}"
-    )
     command = "python benchmarks/faults.py " + " ".join(sys.argv[1:])
     section = (
         f"\n## Fault matrix ({datetime.date.today().isoformat()})\n\n"
-        f"Machine: {machine}. Command: `{command.strip()}`.\n"
+        f"Machine: {machine()}. Command: `{command.strip()}`.\n"
     )
     if matrix:
         section += (

@@ -47,8 +47,8 @@ import httpx
 import orjson
 import uvloop
 from cache_ideals import cache_ideals
-from routing import gateway_yaml, machine, sim_fleet
-from services import PYTHON, append_results, free_port, stop, wait_ready
+from routing import gateway_yaml, sim_fleet
+from services import PYTHON, append_results, free_port, machine, stop, wait_ready
 from workloads import TRACE_OF, WORKLOADS, Planned, add_arguments
 
 READY_SECONDS = 15.0

@@ -43,8 +43,6 @@ import datetime
 import itertools
 import json
 import math
-import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -64,7 +62,16 @@ import precise_cost
 import routing_report
 from cache_ideals import cache_ideals
 from routing_report import Row
-from services import BENCH_DIR, PYTHON, append_results, free_port, gateway, stop, wait_ready
+from services import (
+    BENCH_DIR,
+    PYTHON,
+    append_results,
+    free_port,
+    gateway,
+    machine,
+    stop,
+    wait_ready,
+)
 from workloads import MODEL, TRACE_OF, WORKLOADS, Planned, add_arguments
 
 GATEWAY_POLICIES = ("random", "round_robin", "least_loaded", "kvgate")
@@ -455,18 +462,6 @@ def search_loads(
             p90s[estimate] = probe(estimate)
         found[multiple] = below = closest()
     return found, probes
-
-
-def machine() -> str:
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        platform.processor(),
-    )
-    return f"{os.cpu_count()} cores ({cpu}), Python {platform.python_version()}"
 
 
 def parse_args() -> argparse.Namespace:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
+import platform
 import socket
 import subprocess
 import sys
@@ -125,3 +127,16 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+def machine() -> str:
+    """Cores, CPU model and Python version, for a results section."""
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    return f"{os.cpu_count()} cores ({cpu}), Python {platform.python_version()}"

@@ -41,7 +41,6 @@ import contextlib
 import datetime
 import hashlib
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -56,7 +55,16 @@ from pathlib import Path
 import httpx
 import orjson
 from faults import classify
-from services import BENCH_DIR, PYTHON, free_port, gateway, rss_bytes, stop, wait_ready
+from services import (
+    BENCH_DIR,
+    PYTHON,
+    free_port,
+    gateway,
+    machine,
+    rss_bytes,
+    stop,
+    wait_ready,
+)
 
 sys.path.insert(0, str(BENCH_DIR.parent))
 from tests.redis_server import RedisServer
@@ -553,15 +561,11 @@ def main() -> int:
     args = parser.parse_args()
     started = datetime.datetime.now(datetime.UTC)
     body, lost = asyncio.run(main_async(args))
-    machine = (
-        f"nproc {os.cpu_count()}, {platform.processor() or platform.machine()}, "
-        f"Python {platform.python_version()}, load average at the end "
-        f"{os.getloadavg()[0]:.1f}"
-    )
+    host = f"{machine()}, load average at the end {os.getloadavg()[0]:.1f}"
     command = "python benchmarks/soak.py " + " ".join(sys.argv[1:])
     section = (
         f"\n## Soak ({started:%Y-%m-%d %H:%M} UTC)\n\n"
-        f"Machine: {machine}. Command: `{command.strip()}`.\n\n{body}"
+        f"Machine: {host}. Command: `{command.strip()}`.\n\n{body}"
     )
     print(section)
     if args.output:
