@@ -8,7 +8,7 @@ request context names the tenant, intent and endpoint types of the layers that f
 `state` is a leaf: it may use nothing of kvgate but the background-task helper. Only `cli`
 imports the simulator, and the simulator imports nothing of the gateway but `sim_text`: the
 simulator's tokenizer and chat template, which the gateway uses to compute the token ids a
-simulated engine sees (precise prefix routing).
+simulated engine sees (precise prefix routing), and the KV-event field layout both speak.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ _MODULE_LAYERS = {
     "kvgate.http_server": "base",
     "kvgate.sim_tokenizer": "sim_text",
     "kvgate.sim_chat_template": "sim_text",
+    "kvgate.kv_event_fields": "sim_text",
 }
 _BELOW = {
     "base": set(),

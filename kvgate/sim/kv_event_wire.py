@@ -17,24 +17,13 @@ from typing import Any, Literal
 
 import msgpack
 
+from kvgate.kv_event_fields import EVENT_FIELDS
+
 KvEventEncoding = Literal["array", "map"]
 KV_EVENT_ENCODINGS: tuple[KvEventEncoding, ...] = ("array", "map")
 MEDIUM = "GPU"
 
 Event = list[Any]  # the array form; the map form is built from it at encoding time
-
-_FIELDS = {
-    "BlockStored": (
-        "block_hashes",
-        "parent_block_hash",
-        "token_ids",
-        "block_size",
-        "lora_id",
-        "medium",
-    ),
-    "BlockRemoved": ("block_hashes", "medium"),
-    "AllBlocksCleared": (),
-}
 
 
 def block_stored(
@@ -61,7 +50,7 @@ def encode_batch(
     if encoding == "array":
         return msgpack.packb([ts, events, data_parallel_rank])
     mapped = [
-        {"type": event[0], **dict(zip(_FIELDS[event[0]], event[1:], strict=True))}
+        {"type": event[0], **dict(zip(EVENT_FIELDS[event[0]], event[1:], strict=True))}
         for event in events
     ]
     return msgpack.packb({"ts": ts, "events": mapped, "data_parallel_rank": data_parallel_rank})

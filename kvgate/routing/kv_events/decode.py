@@ -16,6 +16,8 @@ from typing import Any
 
 import msgpack
 
+from kvgate.kv_event_fields import EVENT_FIELDS
+
 BlockHash = int | bytes  # vLLM sends the low 64 bits as an int; some releases send bytes
 
 
@@ -110,25 +112,13 @@ def decode_batch(payload: bytes) -> EventBatch:
     return EventBatch(float(ts), tuple(_event(event) for event in events), rank)
 
 
-_FIELDS = {
-    "BlockStored": (
-        "block_hashes",
-        "parent_block_hash",
-        "token_ids",
-        "block_size",
-        "lora_id",
-        "medium",
-    ),
-    "BlockRemoved": ("block_hashes", "medium"),
-    "AllBlocksCleared": (),
-}
 _REQUIRED = {"BlockStored": 4, "BlockRemoved": 1, "AllBlocksCleared": 0}
 
 
 def _event(raw: Any) -> KvEvent:
     if isinstance(raw, list) and raw and isinstance(raw[0], str):
         tag, values = raw[0], raw[1:]
-        fields = _FIELDS.get(tag)
+        fields = EVENT_FIELDS.get(tag)
         if fields is None:
             raise KvEventDecodeError(f"unknown event type {tag!r}")
         if len(values) < _REQUIRED[tag]:
@@ -136,7 +126,7 @@ def _event(raw: Any) -> KvEvent:
         named = dict(zip(fields, values, strict=False))
     elif isinstance(raw, dict) and isinstance(raw.get("type"), str):
         tag, named = raw["type"], raw
-        fields = _FIELDS.get(tag)
+        fields = EVENT_FIELDS.get(tag)
         if fields is None:
             raise KvEventDecodeError(f"unknown event type {tag!r}")
         missing = [name for name in fields[: _REQUIRED[tag]] if name not in named]
