@@ -47,12 +47,19 @@ _DEPTH = 1 << 32
 class PrefixHasher:
     """Chained block hashes of prompt text, at most `max_blocks` of them.
 
-    The last `recent` prompts' hashed bytes and hashes are kept, by seed and first block: a
-    prompt that starts like one of them (the next turn of a conversation, another question
-    under the same system prompt) reuses the hashes of the blocks they share, found by
-    comparing bytes (memcmp), and hashes only the rest. The hashes are the same either way."""
+    The last `recent` prompts' hashed bytes and hashes are kept, by seed and first block, and
+    no more of them than `recent_bytes` of prompt bytes hold (older ones go first): a prompt
+    that starts like one of them (the next turn of a conversation, another question under the
+    same system prompt) reuses the hashes of the blocks they share, found by comparing bytes
+    (memcmp), and hashes only the rest. The hashes are the same either way."""
 
-    def __init__(self, block_chars: int = 64, max_blocks: int = 256, recent: int = 128) -> None:
+    def __init__(
+        self,
+        block_chars: int = 64,
+        max_blocks: int = 2048,
+        recent: int = 128,
+        recent_bytes: int = 4 << 20,
+    ) -> None:
         if block_chars < 1 or max_blocks < 1:
             raise ValueError("block_chars and max_blocks must be positive")
         if max_blocks > 1 << 31:
@@ -60,9 +67,11 @@ class PrefixHasher:
         self.block_chars = block_chars
         self.max_blocks = max_blocks
         self.recent = recent
+        self.recent_bytes = recent_bytes
         # One struct per block count: cuts `count` blocks in one C call (bytes objects).
         self._cutters: dict[int, Callable[[bytes, int], tuple[bytes, ...]]] = {}
         self._recent: OrderedDict[tuple[int, bytes], tuple[bytes, PromptChain]] = OrderedDict()
+        self._recent_held = 0  # bytes of the remembered prompts
 
     def hashes(self, text: str, model: str, salt: str | None = None) -> list[int]:
         """Hashes of the full blocks of `text`; element k names the first k + 1 blocks."""
@@ -95,9 +104,13 @@ class PrefixHasher:
                 else PromptChain(self, data, seed, known.prefix(shared))
             )
             self._recent.move_to_end(key)
+            self._recent_held -= len(before)
         self._recent[key] = (data, chain)
-        if len(self._recent) > self.recent:
-            self._recent.popitem(last=False)
+        self._recent_held += len(data)
+        while len(self._recent) > self.recent or (
+            self._recent_held > self.recent_bytes and len(self._recent) > 1
+        ):
+            self._recent_held -= len(self._recent.popitem(last=False)[1][0])
         return chain
 
     def _chain(self, data: bytes, seed: int, known: list[int]) -> list[int]:

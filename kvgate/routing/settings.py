@@ -19,12 +19,15 @@ class _Strict(BaseModel):
 
 class PrefixIndexConfig(_Strict):
     """`block_chars` bytes of prompt text per hashed block (≈ 16 tokens at 64); at most
-    `max_blocks` blocks hashed per prompt (256 x 64 = 16k characters); per endpoint at most
+    `max_blocks` blocks hashed per prompt (2048 x 64 = 128k characters, ≈ 32k tokens: hashing
+    all of them once costs ≈ 0.4 ms, within one decision's budget, and past them the index
+    cannot tell apart prompts that share a head, such as agents under one long system prompt);
+    per endpoint at most
     `default_capacity` blocks until the engine reports its KV size, never more than
     `max_capacity`; entries untouched for `ttl` seconds are dropped."""
 
     block_chars: int = Field(64, ge=8, le=4096)
-    max_blocks: int = Field(256, ge=1, le=8192)
+    max_blocks: int = Field(2048, ge=1, le=8192)
     default_capacity: int = Field(31_250, ge=1)
     max_capacity: int = Field(1_000_000, ge=1)
     ttl: float = Field(600.0, gt=0)

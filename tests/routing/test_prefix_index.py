@@ -495,3 +495,37 @@ def test_prompt_text_is_prefix_preserving_across_turns():
     assert prompt_text({"input": "x"}) == ""
     tools = {"tools": [{"type": "function"}], "messages": turn1["messages"]}
     assert prompt_text(tools) != prompt_text(turn1)
+
+
+def test_the_default_span_tells_apart_agents_under_one_long_system_prompt():
+    """Agents whose shared system prompt is longer than 16k characters differ only after it:
+    the index (configured as the gateway configures it) still finds which endpoint holds which
+    agent's history."""
+    from kvgate.routing.services import RoutingServices
+    from kvgate.routing.settings import RoutingConfig
+
+    services = RoutingServices.from_config(RoutingConfig())
+    hasher, index = services.hasher, services.index
+    rng = random.Random(5)
+    system = " ".join(f"tool{rng.randrange(10**6)}" for _ in range(4_000))  # ≈ 44k characters
+    assert len(system) > 40_000
+    tasks = {name: f" agent {name}: " + "step " * 200 for name in ("a", "b")}
+    for name, task in tasks.items():
+        index.record(name, hasher.chain(system + task, "m"), now=0)
+    depths = index.match(hasher.chain(system + tasks["a"] + "next turn " * 50, "m"), now=1)
+    assert depths["a"] > depths["b"] > 0
+
+
+def test_remembered_prompts_are_bounded_by_their_bytes():
+    hasher = PrefixHasher(block_chars=8, max_blocks=1000, recent=100, recent_bytes=800)
+    scratch = PrefixHasher(block_chars=8, max_blocks=1000, recent=0)
+    texts = [f"{i:08d}" + "x" * 392 for i in range(10)]  # 400 bytes each, own first block
+    for text in texts:
+        assert hasher.hashes(text, "m") == scratch.hashes(text, "m")
+    assert len(hasher._recent) == 2 and hasher._recent_held == 800
+    huge = "h" * 4000  # alone above the budget: still remembered, the only one
+    hasher.hashes(huge, "m")
+    assert len(hasher._recent) == 1 and hasher._recent_held == 4000
+    longer = huge + "y" * 80  # its next turn reuses it and replaces it
+    assert hasher.hashes(longer, "m") == scratch.hashes(longer, "m")
+    assert len(hasher._recent) == 1 and hasher._recent_held == 4080
