@@ -97,7 +97,8 @@ class RoutingCollector(Collector):
         corrections = CounterMetricFamily(
             "kvgate_prefix_corrections",
             "Answers whose cached tokens were below (over) or above (under) the prediction "
-            "beyond the tolerance, each correcting the index.",
+            "beyond the tolerance, each correcting the index; in_flight: below it on blocks "
+            "that may still have been in prefill (no correction).",
             labels=["endpoint", "direction"],
         )
         for name, drift in self.services.feedback.drift.items():
@@ -105,6 +106,7 @@ class RoutingCollector(Collector):
             cached.add_metric([name], drift.cached_tokens)
             corrections.add_metric([name, "over"], drift.over)
             corrections.add_metric([name, "under"], drift.under)
+            corrections.add_metric([name, "in_flight"], drift.in_flight)
         yield from (predicted, cached, corrections)
         decisions = CounterMetricFamily(
             "kvgate_routing_decisions",

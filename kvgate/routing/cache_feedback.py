@@ -11,6 +11,13 @@ request that reaches an engine teaches the index something.
   that endpoint at or before that block's time is gone too: it is forgotten at once. The
   index's capacity for the endpoint shrinks to what remains (it held more than the engine
   could keep: engines also spend KV on decoding sequences and on output tokens).
+  Unless the block may still have been in prefill: an engine caches a block only once it has
+  computed it, so a block that an earlier request was routed with less than one prefill before
+  this one (this request's own time from being sent to its first token, or to its answer when
+  not streamed, on the same engine at nearly the same moment) may simply not have existed yet.
+  Such a shortfall is counted (`in_flight`) and forgets nothing: taken as an eviction it would
+  forget every entry the endpoint touched before a moment ago, and a burst of one prefix would
+  empty the endpoint's index.
 - The engine had more than predicted: the index forgot too early; its capacity grows by the
   tokens it missed, never beyond the engine's reported KV size.
 
@@ -33,6 +40,7 @@ compared too, exactly: equal to the engine's cached tokens or not
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 from kvgate.routing.prefix_index import PrefixIndex
@@ -47,12 +55,14 @@ DRIFT_TOLERANCE = 0.05
 @dataclass(slots=True)
 class EndpointDrift:
     """Per endpoint: tokens predicted cached and tokens the engine reported cached, over the
-    answers that reported both; answers where the engine had less / more than predicted."""
+    answers that reported both; answers where the engine had less / more than predicted, and
+    shortfalls on blocks that may still have been in prefill (`in_flight`, no correction)."""
 
     predicted_tokens: int = 0
     cached_tokens: int = 0
     over: int = 0
     under: int = 0
+    in_flight: int = 0
     exact_agreed: int = 0
     exact_disagreed: int = 0
 
@@ -121,8 +131,11 @@ class CacheFeedback:
         engine_block = self._engine_block_tokens.get(name, ENGINE_BLOCK_TOKENS)
         tolerance = max(engine_block + per_block, DRIFT_TOLERANCE * predicted)
         if cached + tolerance < predicted:
-            drift.over += 1
             touched = prefix.touched.get(name)
+            if touched is not None and _maybe_in_prefill(ctx, touched):
+                drift.in_flight += 1
+                return
+            drift.over += 1
             if touched is not None:
                 self.index.forget_touched_until(name, touched)
             remaining = self.index.entries(name)
@@ -133,3 +146,15 @@ class CacheFeedback:
             grown = self.index.capacity(name) + math.ceil((cached - predicted) / per_block)
             ceiling = self._kv_blocks.get(name, self.index.max_capacity)
             self.index.set_capacity(name, min(ceiling, grown))
+
+
+def _maybe_in_prefill(ctx: RequestContext, touched: float) -> bool:
+    """Whether the block last touched at `touched` (the index's clock) may still have been in
+    the prefill of the request that touched it when this request was routed: less than this
+    request's own prefill time (sent to first token, or to now for an answer not streamed)
+    lay between the two decisions."""
+    prefix = ctx.prefix
+    if prefix is None or prefix.decided_at is None or ctx.sent_at is None:
+        return False
+    done = ctx.first_token_at if ctx.first_token_at is not None else time.perf_counter()
+    return prefix.decided_at - touched < done - ctx.sent_at

@@ -43,6 +43,8 @@ class PrefixMatch:
     # When each endpoint chosen for this request had last touched the deepest block of it
     # that the index thought it held, taken before the decision was recorded (for feedback).
     touched: dict[str, float] = field(default_factory=dict)
+    # When the decision was recorded (the index's clock, `time.monotonic()`).
+    decided_at: float | None = None
     exact: ExactMatch | None = None
 
     def match_ratio(self, endpoint: str) -> float:

@@ -194,11 +194,12 @@ class PolicyPicker:
         if prefix is None:
             return
         index = self.services.index
+        now = prefix.decided_at = time.monotonic()
         if prefix.matched.get(chosen.name):
-            touched = index.deepest_touch(chosen.name, prefix.hashes)
+            touched = index.deepest_touch(chosen.name, prefix.hashes, now)
             if touched is not None:
                 prefix.touched[chosen.name] = touched
-        index.record(chosen.name, prefix.hashes)
+        index.record(chosen.name, prefix.hashes, now)
         self.services.record_precise(prefix, chosen.name)
         if prefix.session is not None:
             self.services.affinity.set(prefix.session, chosen.name)

@@ -93,18 +93,23 @@ def _answered(
     endpoint: Endpoint,
     cached: int,
     prompt_tokens: int | None = None,
+    prefill: float = 0.0,
 ):
-    """A request for `text` routed to `endpoint` as the picker does, answered with `cached`."""
+    """A request for `text` routed to `endpoint` as the picker does, answered with `cached`,
+    its first token `prefill` seconds after it was sent."""
     ctx = request_context("chat", {"model": "m", "messages": [{"role": "user", "content": text}]})
     hashes = hasher.chain(ctx.view.canonical, "m")
     tokens = len(hashes) * 16 if prompt_tokens is None else prompt_tokens
     match = PrefixMatch(hashes, tokens, 16.0, index.match(hashes))
+    now = match.decided_at = time.monotonic()
     if match.matched.get(endpoint.name):
-        touched = index.deepest_touch(endpoint.name, hashes)
+        touched = index.deepest_touch(endpoint.name, hashes, now)
         assert touched is not None
         match.touched[endpoint.name] = touched
-    index.record(endpoint.name, hashes)
+    index.record(endpoint.name, hashes, now)
     ctx.prefix, ctx.endpoint = match, endpoint
+    ctx.first_token_at = time.perf_counter()
+    ctx.sent_at = ctx.first_token_at - prefill
     ctx.usage = {
         "prompt_tokens": match.prompt_tokens,
         "prompt_tokens_details": {"cached_tokens": cached},
@@ -130,6 +135,26 @@ def test_the_engine_had_less_than_predicted_forgets_what_it_must_have_evicted():
     assert index.entries("e") == 20 + 10
     assert index.match(hasher.chain("user\n" + ancient + "\x1e", "m")) == {}
     assert index.capacity("e") == 30  # the engine keeps no more than it still has
+
+
+def test_a_shortfall_on_a_block_still_in_prefill_forgets_nothing():
+    """Two requests of one prompt close together: the second is routed while the first may
+    still be in its prefill (the gap between them is shorter than a prefill), so the engine had
+    not cached the prompt yet. That is no eviction: the index keeps everything."""
+    index, feedback, hasher = _feedback()
+    e = endpoint("e")
+    older, burst = "o" * 64 * 20, "b" * 64 * 10
+    feedback.observe(_answered(index, hasher, older, e, cached=0))
+    time.sleep(0.002)
+    feedback.observe(_answered(index, hasher, burst, e, cached=0, prefill=0.5))
+    feedback.observe(_answered(index, hasher, burst, e, cached=0, prefill=0.5))
+    drift = feedback.drift["e"]
+    assert drift.in_flight == 1 and drift.over == 0
+    assert drift.predicted_tokens == 10 * 16 and drift.cached_tokens == 0  # still drift
+    assert index.entries("e") == 20 + 10 and index.capacity("e") == 1000
+    time.sleep(0.02)  # longer than a 10 ms prefill: the block had been computed by now
+    feedback.observe(_answered(index, hasher, burst, e, cached=0, prefill=0.01))
+    assert drift.over == 1 and index.entries("e") == 10
 
 
 def test_the_engine_had_more_than_predicted_grows_the_capacity_up_to_its_kv_size():
