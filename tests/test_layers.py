@@ -34,6 +34,7 @@ _MODULE_LAYERS = {
     "kvgate.config": "config",
     "kvgate.chain.settings": "config",
     "kvgate.routing.settings": "config",
+    "kvgate.upstream.settings": "config",
     "kvgate.ingress": "ingress",
     "kvgate.app": "app",
     "kvgate.hot_reload": "app",

@@ -34,8 +34,8 @@ import time
 from collections.abc import Callable
 from itertools import count
 
-from kvgate.config import BreakerConfig
 from kvgate.upstream.observer import NULL_OBSERVER, ResilienceObserver
+from kvgate.upstream.settings import BreakerConfig
 from kvgate.upstream.window import RollingCounts
 
 _SUCCESS, _FAILURE = 0, 1

@@ -11,12 +11,13 @@ import functools
 import time
 from collections.abc import Callable, Mapping
 
-from kvgate.config import Config, ResilienceConfig
+from kvgate.config import Config
 from kvgate.routing.endpoints import Endpoint, Fleet
 from kvgate.upstream.attempts import Verdict
 from kvgate.upstream.breaker import BreakerState, EjectionGroup, EndpointBreaker
 from kvgate.upstream.observer import NULL_OBSERVER, ResilienceObserver
 from kvgate.upstream.retry_budget import RetryBudget
+from kvgate.upstream.settings import ResilienceConfig
 from kvgate.upstream.throttle import AdaptiveThrottle
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from kvgate.config import RetryBudgetConfig
+from kvgate.upstream.settings import RetryBudgetConfig
 from kvgate.upstream.window import RollingCounts
 
 _REQUESTS, _RETRIES = 0, 1

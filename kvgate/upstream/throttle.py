@@ -22,7 +22,7 @@ import random
 import time
 from collections.abc import Callable
 
-from kvgate.config import ThrottleConfig
+from kvgate.upstream.settings import ThrottleConfig
 from kvgate.upstream.window import RollingCounts
 
 _REQUESTS, _ACCEPTS = 0, 1

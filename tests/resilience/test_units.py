@@ -7,13 +7,7 @@ import random
 import orjson
 import pytest
 
-from kvgate.config import (
-    BreakerConfig,
-    RetryBudgetConfig,
-    ThrottleConfig,
-    TimeoutsConfig,
-    parse_config,
-)
+from kvgate.config import TimeoutsConfig, parse_config
 from kvgate.errors import (
     InvalidRequest,
     Overloaded,
@@ -31,6 +25,7 @@ from kvgate.upstream.observer import NullObserver
 from kvgate.upstream.request_timeouts import resolve_timeouts
 from kvgate.upstream.resume import StreamTranscript, continuation_body, resume_eligible
 from kvgate.upstream.retry_budget import RetryBudget
+from kvgate.upstream.settings import BreakerConfig, RetryBudgetConfig, ThrottleConfig
 from kvgate.upstream.throttle import AdaptiveThrottle
 from kvgate.upstream.window import RollingCounts
 
