@@ -23,6 +23,9 @@ configured by default (tracing off) and kvgate tracing requests (`sample_ratio`:
 `--tracing-ratio`, default 1.0: every request) side by side, rate x mode rows only. otlp
 exports to benchmarks/null_collector.py (the real OTLP exporter, a collector that costs
 nothing); console writes every span as JSON to /dev/null.
+
+`--baseline DIR` measures a lever the same way: the kvgate of source tree DIR (the code
+without the lever: `git archive main | tar -x -C DIR`) beside this tree's, rows only.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ MODES = ("unary", "stream")
 DIRECT = "direct"
 KVGATE = "kvgate"
 KVGATE_TRACED = "kvgate+tracing"
+KVGATE_BASELINE = "kvgate baseline"
 TRACING_TARGET = 0.05  # tracing may add this share of kvgate's added latency
 SGLANG = "sglang-router"
 LAG_LIMIT_MS = 5.0  # generator send lag p99 above this: the instrument is the limit
@@ -579,24 +583,24 @@ def _share(extra: float | None, base: float | None) -> str:
     return f"{100 * extra / base:+.1f}%"
 
 
-def tracing_lines(runs: Iterable[Run]) -> str:
-    """Per row: what tracing adds to kvgate's added latency (p50, p99) and CPU per request,
-    as a share of kvgate's own."""
+def comparison_lines(runs: Iterable[Run], before: str, after: str) -> str:
+    """Per row: gateway `after` against gateway `before` in added latency (p50, p99) and CPU
+    per request, the change as a share of `before`'s."""
     lines = []
     for run in runs:
         key = _key(run.mode)
         cells = []
         for pct in ("p50", "p99"):
-            plain = run.added(KVGATE, key, pct)
-            traced = run.added(KVGATE_TRACED, key, pct)
-            extra = None if plain is None or traced is None else traced - plain
-            cells.append(f"{pct} {_ms(plain)} → {_ms(traced)} ({_share(extra, plain)})")
+            plain = run.added(before, key, pct)
+            other = run.added(after, key, pct)
+            extra = None if plain is None or other is None else other - plain
+            cells.append(f"{pct} {_ms(plain)} → {_ms(other)} ({_share(extra, plain)})")
         cpu = run.cpu_ms_per_request
-        extra_cpu = cpu[KVGATE_TRACED] - cpu[KVGATE]
+        extra_cpu = cpu[after] - cpu[before]
         what = "added TTFT" if run.mode == "stream" else "added latency"
         lines.append(
             f"- {run.rate}/s {run.mode}: {what} {'; '.join(cells)}; CPU ms/req "
-            f"{cpu[KVGATE]:.3f} → {cpu[KVGATE_TRACED]:.3f} ({_share(extra_cpu, cpu[KVGATE])})"
+            f"{cpu[before]:.3f} → {cpu[after]:.3f} ({_share(extra_cpu, cpu[before])})"
         )
     return "\n".join(lines)
 
@@ -612,7 +616,41 @@ def tracing_report(
         f"{s.duration:g} s measured per target per row ({s.rounds} ABBA rounds, {s.warmup:g} s "
         f"warm-up each, discarded); stream = {s.chunks} events {s.gap_ms:g} ms apart + [DONE]. "
         "All figures in ms; off → on (share of off).",
-        tracing_lines(runs),
+        comparison_lines(runs, KVGATE, KVGATE_TRACED),
+        "### Non-streaming",
+        unary_table(rows["unary"]),
+        "### Streaming",
+        stream_table(rows["stream"]),
+        failure_kinds(runs),
+    ]
+    return "\n\n".join(parts) + "\n"
+
+
+@contextmanager
+def baseline_gateways(tmp: Path, upstream_url: str, baseline: Path) -> Iterator[dict[str, Gateway]]:
+    """The kvgate of source tree `baseline` and this tree's, same configuration, in front of
+    `upstream_url`, until the block ends."""
+    with ExitStack() as stack:
+        running = {}
+        for name, source in ((KVGATE_BASELINE, baseline), (KVGATE, None)):
+            port = services.free_port()
+            config = tmp / f"{name.replace(' ', '-')}.yaml"
+            config.write_text(services.gateway_config(port, [upstream_url]))
+            proc = stack.enter_context(services.gateway(config, port, source=source))
+            running[name] = Gateway(f"http://127.0.0.1:{port}/v1/chat/completions", proc.pid)
+        yield running
+
+
+def baseline_report(settings: Settings, baseline: Path, rows: dict[str, list[Run]]) -> str:
+    s = settings
+    runs = [r for mode_runs in rows.values() for r in mode_runs]
+    parts = [
+        f"This tree's kvgate beside the kvgate of `{baseline}` (the code without the lever). "
+        f"Poisson arrivals; {s.duration:g} s measured per target per row ({s.rounds} ABBA "
+        f"rounds, {s.warmup:g} s warm-up each, discarded); stream = {s.chunks} events "
+        f"{s.gap_ms:g} ms apart + [DONE]. All figures in ms; baseline → this tree (share of "
+        "baseline).",
+        comparison_lines(runs, KVGATE_BASELINE, KVGATE),
         "### Non-streaming",
         unary_table(rows["unary"]),
         "### Streaming",
@@ -653,6 +691,12 @@ def parse_args() -> argparse.Namespace:
         help="measure tracing instead: kvgate with and without it, rows only",
     )
     parser.add_argument("--tracing-ratio", type=float, default=1.0, help="with --tracing")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="measure a lever instead: beside this tree's kvgate, the kvgate of this source "
+        "tree (e.g. `git archive main | tar -x -C DIR`), rows only",
+    )
     parser.add_argument("--output", type=Path, help="also write the Markdown here")
     args = parser.parse_args()
     if args.quick:
@@ -680,6 +724,15 @@ def main() -> int:
                 rows = {m: [bench.measure(rate, m) for rate in args.rates] for m in MODES}
             text = tracing_report(settings, args.tracing, args.tracing_ratio, rows)
             return _finish(text, args, started)
+        if args.baseline is not None:
+            with (
+                services.fast_upstream(up_port, args.chunks, args.gap_ms),
+                baseline_gateways(tmp, upstream_url, args.baseline.resolve()) as running,
+            ):
+                bench = Bench(upstream_url + "/v1/chat/completions", running, settings)
+                bench.settle(min(args.rates))
+                rows = {m: [bench.measure(rate, m) for rate in args.rates] for m in MODES}
+            return _finish(baseline_report(settings, args.baseline, rows), args, started)
         with (
             services.fast_upstream(up_port, args.chunks, args.gap_ms),
             gateways(tmp, "bench", upstream_url) as running,

@@ -67,11 +67,19 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 @contextlib.contextmanager
 def service(
-    args: list[str], port: int, ready_path: str, stdout: int | None = None
+    args: list[str],
+    port: int,
+    ready_path: str,
+    stdout: int | None = None,
+    source: Path | None = None,
 ) -> Iterator[subprocess.Popen[bytes]]:
     """Run `python args...` until the block exits; ready once `GET ready_path` answers 200.
-    `stdout`: where its standard output goes (default: this process's)."""
-    proc = subprocess.Popen([PYTHON, *args], stdin=subprocess.DEVNULL, stdout=stdout)
+    `stdout`: where its standard output goes (default: this process's); `source`: a source
+    tree whose packages it imports first (run from there, on PYTHONPATH)."""
+    env = None if source is None else {**os.environ, "PYTHONPATH": str(source)}
+    proc = subprocess.Popen(
+        [PYTHON, *args], stdin=subprocess.DEVNULL, stdout=stdout, env=env, cwd=source
+    )
     try:
         wait_ready(proc, port, ready_path)
         yield proc
@@ -110,14 +118,16 @@ def gateway_config(port: int, upstream_urls: list[str]) -> str:
 
 
 def gateway(
-    config_file: Path, port: int, stdout: int | None = None
+    config_file: Path, port: int, stdout: int | None = None, source: Path | None = None
 ) -> contextlib.AbstractContextManager[subprocess.Popen[bytes]]:
-    """One gateway worker (`kvgate serve`), ready once `/readyz` answers 200."""
+    """One gateway worker (`kvgate serve`), ready once `/readyz` answers 200; its code from
+    the source tree `source` when given (default: the installed package)."""
     return service(
         ["-m", "kvgate.cli", "serve", "--config", str(config_file), "--log-level", "warning"],
         port,
         "/readyz",
         stdout,
+        source,
     )
 
 
