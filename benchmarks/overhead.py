@@ -24,6 +24,10 @@ configured by default (tracing off) and kvgate tracing requests (`sample_ratio`:
 exports to benchmarks/null_collector.py (the real OTLP exporter, a collector that costs
 nothing); console writes every span as JSON to /dev/null.
 
+`--workers 1,2` measures instead how `kvgate serve --workers N` scales: for each N, on Redis
+state (a real redis-server, as the tests start it), the highest non-streaming rate whose added
+p99 stays under 10 ms, with the CPU of all its processes.
+
 `--baseline DIR` measures a lever the same way: the kvgate of source tree DIR (the code
 without the lever: `git archive main | tar -x -C DIR`) beside this tree's, rows only.
 """
@@ -48,6 +52,9 @@ import held_streams
 import orjson
 import peer_router
 import services
+
+sys.path.insert(0, str(services.BENCH_DIR.parent))
+from tests.redis_server import RedisServer
 
 MODES = ("unary", "stream")
 DIRECT = "direct"
@@ -137,8 +144,19 @@ class Run:
 
 
 def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+    """CPU time (user + system) of process `pid` and its descendants (a gateway's workers)."""
+    total = 0.0
+    pending = [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
+            children = Path(f"/proc/{current}/task/{current}/children").read_text().split()
+        except FileNotFoundError:  # it ended meanwhile
+            continue
+        total += (int(fields[11]) + int(fields[12])) / _CLK_TCK
+        pending += [int(child) for child in children]
+    return total
 
 
 def run_loadgen(
@@ -660,6 +678,70 @@ def baseline_report(settings: Settings, baseline: Path, rows: dict[str, list[Run
     return "\n\n".join(parts) + "\n"
 
 
+@contextmanager
+def worker_gateway(
+    tmp: Path, upstream_url: str, workers: int, redis_url: str
+) -> Iterator[dict[str, Gateway]]:
+    """kvgate with `workers` worker processes sharing state on Redis (its own key prefix),
+    until the block ends."""
+    port = services.free_port()
+    config = tmp / f"workers-{workers}.yaml"
+    state = f'state: {{backend: redis, url: "{redis_url}", key_prefix: bench-w{workers}}}\n'
+    config.write_text(services.gateway_config(port, [upstream_url]) + state)
+    with services.gateway(config, port, workers=workers) as proc:
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        yield {f"kvgate, {workers} worker{'s' if workers > 1 else ''}": Gateway(url, proc.pid)}
+
+
+def measure_workers(
+    tmp: Path, args: argparse.Namespace, settings: Settings
+) -> list[tuple[int, dict[str, tuple[int | None, str]], list[Run]]]:
+    """Per worker count: the highest non-streaming rate with added p99 under the target, on
+    fresh gateways with Redis state, and the runs of its search."""
+    up_port = services.free_port()
+    upstream_url = f"http://127.0.0.1:{up_port}"
+    redis = RedisServer().start()
+    results = []
+    try:
+        with services.fast_upstream(up_port, args.chunks, args.gap_ms):
+            for workers in args.workers:
+                with worker_gateway(tmp, upstream_url, workers, redis.url) as running:
+                    bench = Bench(upstream_url + "/v1/chat/completions", running, settings)
+                    bench.settle(min(args.search_rates))
+                    found, runs = bench.highest_rates(
+                        "unary", args.search_rates, args.search_duration
+                    )
+                    results.append((workers, found, runs))
+    finally:
+        redis.stop()
+    return results
+
+
+def workers_report(
+    settings: Settings, results: list[tuple[int, dict[str, tuple[int | None, str]], list[Run]]]
+) -> str:
+    s = settings
+    best = {workers: next(iter(found.values()))[0] for workers, found, _ in results}
+    parts = [
+        f"`kvgate serve --workers N` on Redis state, highest non-streaming rate with added p99 "
+        f"< {ADDED_P99_TARGET_MS:g} ms and no failure, searched upward on fresh gateways; "
+        f"{s.duration:g} s measured per step ({s.rounds} ABBA rounds with direct calls, "
+        f"{s.warmup:g} s warm-up each). CPU ms/req: all of the gateway's processes.",
+    ]
+    one = best.get(1)
+    scaling = [
+        f"{workers} workers: {rate / one:.2f}x one worker's rate"
+        for workers, rate in best.items()
+        if workers > 1 and rate and one
+    ]
+    if scaling:
+        parts.append("Scaling: " + "; ".join(scaling) + ".")
+    for _, found, runs in results:
+        parts += [search_lines("unary", found), unary_table(runs)]
+    parts.append(failure_kinds(r for _, _, runs in results for r in runs))
+    return "\n\n".join(parts) + "\n"
+
+
 def _rates(text: str) -> list[int]:
     return [int(r) for r in text.split(",") if r]
 
@@ -692,6 +774,12 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--tracing-ratio", type=float, default=1.0, help="with --tracing")
     parser.add_argument(
+        "--workers",
+        type=_rates,
+        help="measure instead the highest non-streaming rate of kvgate with each of these "
+        "worker counts (e.g. 1,2) on Redis state (--search-rates, --search-duration)",
+    )
+    parser.add_argument(
         "--baseline",
         type=Path,
         help="measure a lever instead: beside this tree's kvgate, the kvgate of this source "
@@ -714,6 +802,9 @@ def main() -> int:
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
+        if args.workers:
+            results = measure_workers(tmp, args, settings)
+            return _finish(workers_report(settings, results), args, started)
         if args.tracing != "none":
             with (
                 services.fast_upstream(up_port, args.chunks, args.gap_ms),

@@ -118,12 +118,17 @@ def gateway_config(port: int, upstream_urls: list[str]) -> str:
 
 
 def gateway(
-    config_file: Path, port: int, stdout: int | None = None, source: Path | None = None
+    config_file: Path,
+    port: int,
+    stdout: int | None = None,
+    source: Path | None = None,
+    workers: int = 1,
 ) -> contextlib.AbstractContextManager[subprocess.Popen[bytes]]:
-    """One gateway worker (`kvgate serve`), ready once `/readyz` answers 200; its code from
-    the source tree `source` when given (default: the installed package)."""
+    """One gateway (`kvgate serve`, `workers` processes), ready once `/readyz` answers 200;
+    its code from the source tree `source` when given (default: the installed package)."""
     return service(
-        ["-m", "kvgate.cli", "serve", "--config", str(config_file), "--log-level", "warning"],
+        ["-m", "kvgate.cli", "serve", "--config", str(config_file), "--log-level", "warning"]
+        + ([] if workers == 1 else ["--workers", str(workers)]),
         port,
         "/readyz",
         stdout,

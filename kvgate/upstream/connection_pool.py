@@ -56,12 +56,10 @@ class ConnectionPool:
         try:
             async with asyncio.timeout(connect_timeout * 2):
                 while self._open >= self.config.max_connections:
-                    if self._evict_oldest():
-                        await asyncio.sleep(0)  # the socket's slot frees when it is gone
-                    else:
-                        waiter = asyncio.get_running_loop().create_future()
-                        self._waiters.append(waiter)
-                        await waiter
+                    self._evict_oldest()  # if one is idle, its place frees once it is gone
+                    waiter = asyncio.get_running_loop().create_future()
+                    self._waiters.append(waiter)
+                    await waiter
                     conn = self._reuse(origin)
                     if conn is not None:
                         return conn
@@ -155,16 +153,14 @@ class ConnectionPool:
         self._idle_count -= 1
         conn.close()
 
-    def _evict_oldest(self) -> bool:
-        """Close the longest idle connection (to any engine); False when none is idle."""
+    def _evict_oldest(self) -> None:
+        """Close the longest idle connection (to any engine), if any."""
         oldest: H1Connection | None = None
         for conns in self._idle.values():
             if conns and (oldest is None or conns[0].idle_since < oldest.idle_since):
                 oldest = conns[0]
-        if oldest is None:
-            return False
-        self._evict(oldest)
-        return True
+        if oldest is not None:
+            self._evict(oldest)
 
     def _close_expired(self) -> None:
         self._sweep = None
@@ -188,7 +184,7 @@ class ConnectionPool:
                 self._evict(conn)
         for waiter in self._waiters:
             if not waiter.done():
-                waiter.cancel()
+                waiter.set_exception(ConnectionLost("the gateway is shutting down"))
         if self._open:
             self._all_gone = asyncio.get_running_loop().create_future()
             with contextlib.suppress(TimeoutError):

@@ -47,6 +47,29 @@ class H1Connection(asyncio.Protocol):
     """The protocol of one pooled connection. `on_closed` is called once, when the socket is
     gone (whoever closed it)."""
 
+    __slots__ = (
+        "_buffered",
+        "_chunks",
+        "_complete",
+        "_error",
+        "_framed",
+        "_head",
+        "_informational",
+        "_keep_alive",
+        "_on_closed",
+        "_parser",
+        "_paused",
+        "_transport",
+        "_waiter",
+        "closed",
+        "counted",
+        "headers",
+        "idle_since",
+        "origin",
+        "pooled",
+        "status",
+    )
+
     def __init__(self, origin: Any, on_closed: Callable[[H1Connection], None]) -> None:
         self.origin = origin
         self.closed = False
