@@ -8,6 +8,7 @@ import asyncio
 import socket
 import struct
 import subprocess
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
@@ -117,17 +118,22 @@ async def test_content_length_chunked_and_close_delimited_bodies(serve):
         assert await whole(transport, server.url) == (200, b"hello")
         assert await whole(transport, server.url) == (200, b"hello")
         assert server.connections == 1  # both framings leave the connection reusable
-        assert await whole(transport, until_close.url) == (200, b"hello")
+        async with asyncio.timeout(5):
+            assert await whole(transport, until_close.url) == (200, b"hello")
     finally:
         await transport.aclose()
 
 
 async def test_an_informational_answer_before_the_real_one_is_skipped(serve):
-    server = await serve(
-        answering(
-            b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\ncontent-length: 2\r\n\r\nok"
-        )
-    )
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.05)  # on its own, as a server that first reads the body sends it
+        writer.write(b"HTTP/1.1 201 Created\r\ncontent-length: 2\r\n\r\nok")
+        await reader.read()
+
+    server = await serve(handler)
     transport = UpstreamTransport(UpstreamConfig(), connect_timeout=5)
     try:
         assert await whole(transport, server.url) == (201, b"ok")
@@ -219,16 +225,19 @@ async def test_max_connections_bounds_the_sockets_and_a_waiter_times_out(serve):
 
 async def test_idle_connections_expire_and_are_closed(serve):
     ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
-    server = await serve(answering(ok, ok))
+    server = await serve(answering(ok, ok, ok))
     transport = UpstreamTransport(UpstreamConfig(keepalive_expiry=0.2), connect_timeout=5)
     try:
         assert await whole(transport, server.url) == (200, b"ok")
         await asyncio.sleep(0.5)
         assert server.closed == 1  # the expiry timer closed the idle socket
         assert await whole(transport, server.url) == (200, b"ok")
+        # Block the loop on purpose: the expiry timer is due but cannot run.
+        time.sleep(0.3)  # noqa: ASYNC251
+        assert await whole(transport, server.url) == (200, b"ok")  # not on the expired one
     finally:
         await transport.aclose()
-    assert server.connections == 2
+    assert server.connections == 3
 
 
 async def test_no_idle_connection_is_kept_when_the_pool_keeps_none(serve):
