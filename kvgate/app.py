@@ -130,7 +130,8 @@ class GatewayApp:
         # With `server.admin_port` set, /metrics and /admin/* are served only there
         # (kvgate/admin_listener.py) and are unknown routes on this, the public port.
         self.admin_on_public_port = config.server.admin_port is None
-        # httpx for the control plane (health, discovery, telemetry); aiohttp for the data path.
+        # httpx for the control plane (health, discovery, telemetry); the data path has its own
+        # HTTP/1.1 client (kvgate/upstream/transport.py).
         self.client = build_control_client(config.upstream, config.timeouts)
         self.transport = UpstreamTransport(config.upstream, config.timeouts.connect)
         # Breakers on every endpoint, retry budgets and throttles per pool (docs/resilience.md).
