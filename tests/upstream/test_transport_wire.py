@@ -269,6 +269,31 @@ async def test_a_cancelled_exchange_closes_its_connection(serve):
         await transport.aclose()
 
 
+async def test_reading_pauses_while_the_consumer_does_not_read(serve):
+    size = 32 * 1024 * 1024  # far beyond the read-ahead and loopback's socket buffers
+    written = asyncio.Event()
+
+    async def large(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % size)
+        writer.write(bytes(size))
+        await writer.drain()
+        written.set()
+        await reader.read()
+
+    server = await serve(large)
+    transport = UpstreamTransport(UpstreamConfig(), connect_timeout=5)
+    try:
+        response = await transport.open(server.url, HEADERS, BODY)
+        await asyncio.sleep(0.5)
+        assert not written.is_set()  # the engine's socket is held back, not our memory filled
+        assert len(await response.read()) == size
+        response.close()
+        await asyncio.wait_for(written.wait(), 5)
+    finally:
+        await transport.aclose()
+
+
 @pytest.fixture(scope="module")
 def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     directory = tmp_path_factory.mktemp("tls")
