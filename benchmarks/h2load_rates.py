@@ -2,11 +2,14 @@
 
 `h2load --h1 --rps R -c C` runs C HTTP/1.1 connections, each sending R requests a second
 (uniform, not Poisson); its `--log-file` has every request's start, status and duration, from
-which the same summary as loadgen.py's is built (latency from the actual send, so a
-connection still waiting for its previous answer delays the next request: each connection
-gets a period of at least `MIN_PERIOD_MS`, well above every latency measured here, which keeps
-that from happening). Targets run in ABBA order, one segment each per round, the first
-`warmup` seconds of each discarded (h2load's `--warm-up-time`).
+which the same summary as loadgen.py's is built. h2load starts every connection's timer at
+once, so each period opens with one request per connection together: fewer connections make
+smaller bursts (measured on the direct path at 1,000 req/s: p50 3.5 to 4.5 ms with 50
+connections, 1.0 ms with 10). Latency is timed from the actual send, so a connection still
+waiting for its previous answer delays its next request; with a period equal to the 10 ms
+target a request slower than the target is still counted as such. Targets run in ABBA order,
+one segment each per round, the first `warmup` seconds of each discarded (h2load's
+`--warm-up-time`).
 
 Install: `apt-get install -y nghttp2-client`. `available()` says why it cannot run otherwise.
 """
@@ -23,7 +26,7 @@ from typing import Any
 
 from loadgen import percentiles, request_body
 
-MIN_PERIOD_MS = 50.0  # each connection sends at most one request per this many ms
+MIN_PERIOD_MS = 10.0  # each connection sends at most one request per this many ms
 _NS_PER_US = 1000
 
 

@@ -536,9 +536,7 @@ def report(settings: Settings, results: Results) -> str:
     else:
         found, runs = results.h2load
         parts += [
-            f"`h2load --h1 --rps`, uniform arrivals, each connection at most one request per "
-            f"{h2load_rates.MIN_PERIOD_MS:g} ms; latency from the actual send; no send lag "
-            "column (h2load does not report it).",
+            h2load_lines(),
             search_lines("unary", found),
             unary_table(runs),
         ]
@@ -769,6 +767,33 @@ def workers_report(
     return "\n\n".join(parts) + "\n"
 
 
+def h2load_search(tmp: Path, args: argparse.Namespace, settings: Settings) -> str:
+    """The non-streaming search with h2load alone, on fresh gateways; its report section."""
+    missing = h2load_rates.available()
+    if missing:
+        return f"Not measured: {missing}.\n"
+    up_port = services.free_port()
+    upstream_url = f"http://127.0.0.1:{up_port}"
+    with (
+        services.fast_upstream(up_port, args.chunks, args.gap_ms),
+        gateways(tmp, "h2load", upstream_url) as running,
+    ):
+        bench = Bench(upstream_url + "/v1/chat/completions", running, settings)
+        bench.settle(min(args.rates))
+        found, runs = bench.highest_rates(
+            "unary", args.h2load_rates, args.search_duration, h2load=True
+        )
+    return "\n\n".join([h2load_lines(), search_lines("unary", found), unary_table(runs)]) + "\n"
+
+
+def h2load_lines() -> str:
+    return (
+        f"`h2load --h1 --rps`, uniform arrivals, each connection at most one request per "
+        f"{h2load_rates.MIN_PERIOD_MS:g} ms; latency from the actual send; no send lag column "
+        "(h2load does not report it)."
+    )
+
+
 def _rates(text: str) -> list[int]:
     return [int(r) for r in text.split(",") if r]
 
@@ -807,6 +832,11 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--tracing-ratio", type=float, default=1.0, help="with --tracing")
     parser.add_argument(
+        "--h2load-only",
+        action="store_true",
+        help="only the non-streaming search with h2load (--h2load-rates, --search-duration)",
+    )
+    parser.add_argument(
         "--workers",
         type=_rates,
         help="measure instead the highest non-streaming rate of kvgate with each of these "
@@ -839,6 +869,8 @@ def main() -> int:
         if args.workers:
             results = measure_workers(tmp, args, settings)
             return _finish(workers_report(settings, results), args, started)
+        if args.h2load_only:
+            return _finish(h2load_search(tmp, args, settings), args, started)
         if args.tracing != "none":
             with (
                 services.fast_upstream(up_port, args.chunks, args.gap_ms),
