@@ -116,7 +116,9 @@ class GatewayApp:
         self.pricing = Pricing(config.pools, self.fleet.endpoints)
         self.access_log = AccessLog(enabled=config.server.access_log)
         # None unless `observability.tracing` (or OTEL_*) turns tracing on.
-        self.tracing = build_tracing(config.observability.tracing, span_exporter)
+        self.tracing = build_tracing(
+            config.observability.tracing, span_exporter, self.metrics.trace_spans_dropped.inc
+        )
         self.tenants = TenantDirectory(config.auth, config.tiers)
         self.classifier = Classifier(config.classification)
         self.admission = AdmissionController(
@@ -226,6 +228,8 @@ class GatewayApp:
             self.routing.precise.start()
         self.store.report_load(self._local_load, self._apply_peer_load)
         await self.store.start()
+        if self.tracing is not None:
+            await self.tracing.open()
         # What exists now lives as long as the gateway: keep the collector from walking it on
         # every full collection (the prefix index alone can hold millions of entries).
         gc.collect()
@@ -264,8 +268,8 @@ class GatewayApp:
         await self.client.aclose()
         await self.transport.aclose()
         if self.tracing is not None:
-            # Flushing may wait on the collector: off the event loop, which still serves.
-            await asyncio.to_thread(self.tracing.shutdown)
+            # Waits for the exporter process to send what it holds; the event loop still serves.
+            await self.tracing.shutdown()
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:

@@ -104,6 +104,12 @@ class GatewayMetrics:
             ["tenant", "model", "pool", "kind"],
             registry=self.registry,
         )
+        self.trace_spans_dropped = Counter(
+            "kvgate_trace_spans_dropped",
+            "Spans of traced requests dropped because the trace exporter process fell behind "
+            "(or is gone).",
+            registry=self.registry,
+        )
         self.admission = AdmissionMetrics(self.registry, self.tenant_labels)
         self.resilience = ResilienceMetrics(self.registry)
         # Labelled children of the per-request metrics, by label values: `.labels()` validates

@@ -2,6 +2,11 @@
 upstream attempt (client kind) and per resume, with GenAI semantic-convention and kvgate
 attributes (docs/observability.md). The client's W3C `traceparent` is continued; each attempt
 sends its own span's context to the engine. Built by kvgate/observability/tracing.py.
+
+Nothing here calls OpenTelemetry per span: ids are drawn with `random.getrandbits` (as the SDK's
+own id generator does), times are `time.time_ns()`, attributes go into plain dicts, and when
+the request is over its whole trace is handed to the sink as one `TraceRecord`
+(kvgate/observability/span_records.py), from which SDK spans are built off the request path.
 """
 
 from __future__ import annotations
@@ -11,19 +16,18 @@ import time
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
-from opentelemetry.context import Context
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.trace import (
-    Span,
-    SpanKind,
-    Status,
-    StatusCode,
-    get_current_span,
-    set_span_in_context,
-)
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.trace import SpanKind, StatusCode, get_current_span
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from kvgate import __version__
+from kvgate.observability.span_records import (
+    NEW_TRACE_FLAGS,
+    SAMPLED,
+    Attribute,
+    ClientParent,
+    SpanRecord,
+    TraceExport,
+)
 from kvgate.routing.endpoints import Endpoint
 from kvgate.types import Headers, RequestContext
 
@@ -36,7 +40,13 @@ _OPERATIONS = {
     "embeddings": "embeddings",
     "responses": "chat",
 }
-Attribute = str | int | float | bool
+_SERVER = SpanKind.SERVER.value
+_CLIENT = SpanKind.CLIENT.value
+_INTERNAL = SpanKind.INTERNAL.value
+_ERROR = StatusCode.ERROR.value
+Attributes = dict[str, Attribute]
+# The client's trace: its trace id, trace flags, and the request span's parent as recorded.
+_ClientContext = tuple[int, int, ClientParent]
 
 
 class GatewayTracing:
@@ -45,20 +55,30 @@ class GatewayTracing:
     Sampling is parent-based, decided here before any span exists, so that a request not
     traced costs one scan of its headers and nothing else: a client's `traceparent` decides by
     its sampled flag (a request it does not sample keeps that `traceparent`, passed on to the
-    engine untouched); a request without one is traced with probability `ratio`."""
+    engine untouched); a request without one is traced with probability `ratio`. Each traced
+    request's record goes to `export` once, after its answer's last byte; `resource` is what
+    the exported spans carry."""
 
-    def __init__(self, provider: TracerProvider, ratio: float) -> None:
-        self.provider = provider
+    def __init__(self, export: TraceExport, ratio: float, resource: Resource) -> None:
+        self.export = export
         self.ratio = ratio
-        self.tracer = provider.get_tracer("kvgate", __version__)
+        self.resource = resource
         self._servers: dict[str, tuple[str, int]] = {}
 
+    async def open(self) -> None:
+        """Ready the export (an exporter process starts); call on the serving event loop."""
+        await self.export.start()
+
+    async def shutdown(self) -> None:
+        """Export every finished trace, then stop (may wait up to the exporter's timeout)."""
+        await self.export.stop()
+
     def start(self, ctx: RequestContext) -> _RequestTrace | None:
-        client = _client_context(ctx.client_headers)
+        client = _client_parent(ctx.client_headers)
         if client is None:
             if self.ratio < 1.0 and random.random() >= self.ratio:
                 return None
-        elif not get_current_span(client).get_span_context().trace_flags.sampled:
+        elif not client[1] & SAMPLED:
             return None
         return _RequestTrace(self, ctx, client)
 
@@ -71,43 +91,53 @@ class GatewayTracing:
             known = self._servers[endpoint.url] = (parts.hostname or "", parts.port or default)
         return known
 
-    def shutdown(self) -> None:
-        """Export what is still buffered, then stop (blocks up to the exporter's timeout)."""
-        self.provider.shutdown()
-
 
 class _Step:
-    """An open span of a request; `end` closes it once."""
+    """An open span of a request; `end` records it once."""
 
-    __slots__ = ("_done", "_on_end", "_trace", "span")
+    __slots__ = (
+        "_done",
+        "_on_end",
+        "_trace",
+        "attributes",
+        "kind",
+        "name",
+        "parent",
+        "span_id",
+        "start",
+    )
 
     def __init__(
         self,
         trace: _RequestTrace,
-        span: Span,
-        on_end: Callable[[Span, RequestContext], None] | None = None,
+        name: str,
+        kind: int,
+        attributes: Attributes,
+        on_end: Callable[[Attributes, RequestContext], None] | None,
     ) -> None:
         self._trace = trace
-        self.span = span
+        self.name = name
+        self.kind = kind
+        self.attributes = attributes
         self._on_end = on_end
         self._done = False
+        self.span_id = _span_id()
+        self.parent = trace.innermost()
+        self.start = time.time_ns()
 
     def set(self, key: str, value: Attribute) -> None:
-        self.span.set_attribute(key, value)
+        self.attributes[key] = value
 
     def headers(self) -> Headers:
-        return _context_headers(self.span)
+        return self._trace.context_headers(self.span_id)
 
     def end(self, error: str | None = None) -> None:
         if self._done:
             return
         self._done = True
         if self._on_end is not None:
-            self._on_end(self.span, self._trace.ctx)
-        if error is not None:
-            _failed(self.span, error)
-        self.span.end()
-        self._trace.closed(self)
+            self._on_end(self.attributes, self._trace.ctx)
+        self._trace.closed(self, error)
 
 
 class _Folded:
@@ -133,42 +163,62 @@ _FOLDED_STEP = _Folded()
 
 
 class _RequestTrace:
-    """A request's span (SERVER kind) and its open steps; see `RequestTrace` in types.py."""
+    """A request's span (SERVER kind), its open steps and the spans already ended; see
+    `RequestTrace` in types.py."""
 
-    __slots__ = ("_open", "_operation", "_requested", "_root", "_tracing", "ctx")
+    __slots__ = (
+        "_client",
+        "_ended",
+        "_flags",
+        "_open",
+        "_operation",
+        "_requested",
+        "_root",
+        "_started",
+        "_trace_hex",
+        "_tracestate",
+        "_tracing",
+        "ctx",
+        "trace_id",
+    )
 
     def __init__(
-        self, tracing: GatewayTracing, ctx: RequestContext, client: Context | None
+        self, tracing: GatewayTracing, ctx: RequestContext, client: _ClientContext | None
     ) -> None:
         self._tracing = tracing
         self.ctx = ctx
         self._open: list[_Step] = []
+        self._ended: list[SpanRecord] = []
         self._operation = _OPERATIONS.get(ctx.route, ctx.route)
         self._requested = ctx.model
-        started = time.time_ns() - int((time.perf_counter() - ctx.started) * 1e9)
-        self._root = tracing.tracer.start_span(
-            f"POST {ctx.upstream_path}",
-            context=client,
-            kind=SpanKind.SERVER,
-            start_time=started,
-            attributes={
-                "http.request.method": "POST",
-                "http.route": ctx.upstream_path,
-                "gen_ai.operation.name": self._operation,
-                "gen_ai.request.model": ctx.model,
-                "gen_ai.request.stream": ctx.stream,
-                "kvgate.request_id": ctx.request_id,
-            },
-        )
+        if client is None:
+            self.trace_id = _trace_id()
+            self._flags = NEW_TRACE_FLAGS
+            self._client: ClientParent | None = None
+            self._tracestate = ""
+        else:
+            self.trace_id, client_flags, self._client = client
+            # As the SDK: sampled, and random-trace-id only if the client's trace says so.
+            self._flags = SAMPLED | (client_flags & (NEW_TRACE_FLAGS ^ SAMPLED))
+            self._tracestate = self._client[2]
+        self._trace_hex = f"00-{self.trace_id:032x}-"
+        self._root = _span_id()
+        self._started = time.time_ns() - int((time.perf_counter() - ctx.started) * 1e9)
 
-    def _parent(self) -> Context:
-        return set_span_in_context(self._open[-1].span if self._open else self._root)
+    def innermost(self) -> int:
+        """The span id a new span's parent is: the innermost open step, else the request."""
+        return self._open[-1].span_id if self._open else self._root
+
+    def context_headers(self, span_id: int) -> Headers:
+        headers = [(b"traceparent", f"{self._trace_hex}{span_id:016x}-{self._flags:02x}".encode())]
+        if self._tracestate:
+            headers.append((b"tracestate", self._tracestate.encode("latin-1")))
+        return headers
 
     def span(self, name: str) -> _Step | _Folded:
         if name in _FOLDED:
             return _FOLDED_STEP
-        span = self._tracing.tracer.start_span(name, context=self._parent())
-        step = _Step(self, span, _STEP_ATTRIBUTES.get(name))
+        step = _Step(self, name, _INTERNAL, {}, _STEP_ATTRIBUTES.get(name))
         self._open.append(step)
         return step
 
@@ -176,7 +226,7 @@ class _RequestTrace:
         ctx = self.ctx
         operation = self._operation
         host, port = self._tracing.server(endpoint)
-        attributes: dict[str, Attribute] = {
+        attributes: Attributes = {
             "gen_ai.operation.name": operation,
             "gen_ai.provider.name": endpoint.engine,
             "gen_ai.request.model": ctx.model,
@@ -188,34 +238,45 @@ class _RequestTrace:
         }
         if ctx.prefix is not None:
             attributes["kvgate.prefix.predicted_tokens"] = _predicted(ctx, endpoint.name)
-        span = self._tracing.tracer.start_span(
-            f"{operation} {ctx.model}",
-            context=self._parent(),
-            kind=SpanKind.CLIENT,
-            attributes=attributes,
-        )
-        step = _Step(self, span, _attempt_ended)
+        step = _Step(self, f"{operation} {ctx.model}", _CLIENT, attributes, _usage)
         self._open.append(step)
         return step
 
-    def closed(self, step: _Step) -> None:
+    def closed(self, step: _Step, error: str | None) -> None:
+        """Record an ended step (`error`: the code that failed it)."""
         if step in self._open:
             self._open.remove(step)
+        attributes = step.attributes
+        code, description = 0, None
+        if error is not None:
+            attributes["error.type"] = error
+            code, description = _ERROR, error
+        end = time.time_ns()
+        record = (step.name, step.kind, step.span_id, step.parent, step.start, end, attributes)
+        self._ended.append((*record, code, description))
 
     def finish(self) -> None:
         for step in reversed(self._open):  # a step left open by a bug must not leak
             step.end("interrupted")
-        _request_ended(self._root, self.ctx, self._requested)
-        self._root.end()
+        ctx = self.ctx
+        attributes: Attributes = {
+            "http.request.method": "POST",
+            "http.route": ctx.upstream_path,
+            "gen_ai.operation.name": self._operation,
+            "gen_ai.request.model": self._requested,
+            "gen_ai.request.stream": ctx.stream,
+            "kvgate.request_id": ctx.request_id,
+        }
+        code, description = _request_ended(attributes, ctx, self._requested)
+        name = f"POST {ctx.upstream_path}"
+        end = time.time_ns()
+        self._ended.append(
+            (name, _SERVER, self._root, 0, self._started, end, attributes, code, description)
+        )
+        self._tracing.export.send((self.trace_id, self._flags, self._client, self._ended))
 
 
-def _context_headers(span: Span) -> Headers:
-    carrier: dict[str, str] = {}
-    _PROPAGATOR.inject(carrier, set_span_in_context(span))
-    return [(name.encode(), value.encode("latin-1")) for name, value in carrier.items()]
-
-
-def _client_context(headers: Headers) -> Context | None:
+def _client_parent(headers: Headers) -> _ClientContext | None:
     """The client's trace context (a valid W3C traceparent, and tracestate), or None."""
     carrier = {
         _TRACE_HEADERS[name]: value.decode("latin-1")
@@ -224,13 +285,25 @@ def _client_context(headers: Headers) -> Context | None:
     }
     if not carrier:
         return None
-    context = _PROPAGATOR.extract(carrier)
-    return context if get_current_span(context).get_span_context().is_valid else None
+    context = get_current_span(_PROPAGATOR.extract(carrier)).get_span_context()
+    if not context.is_valid:
+        return None
+    flags = int(context.trace_flags)
+    return context.trace_id, flags, (context.span_id, flags, context.trace_state.to_header())
 
 
-def _failed(span: Span, error: str) -> None:
-    span.set_attribute("error.type", error)
-    span.set_status(Status(StatusCode.ERROR, error))
+def _trace_id() -> int:
+    while True:
+        drawn = random.getrandbits(128)
+        if drawn:
+            return drawn
+
+
+def _span_id() -> int:
+    while True:
+        drawn = random.getrandbits(64)
+        if drawn:
+            return drawn
 
 
 def _predicted(ctx: RequestContext, endpoint: str) -> int:
@@ -239,7 +312,7 @@ def _predicted(ctx: RequestContext, endpoint: str) -> int:
     return ctx.prefix.prompt_tokens - ctx.prefix.uncached_tokens(endpoint)
 
 
-def _usage(span: Span, ctx: RequestContext) -> None:
+def _usage(attributes: Attributes, ctx: RequestContext) -> None:
     usage = ctx.usage
     if usage is None:
         return
@@ -249,77 +322,82 @@ def _usage(span: Span, ctx: RequestContext) -> None:
     ):
         value = usage.get(key)
         if isinstance(value, int):
-            span.set_attribute(attribute, value)
+            attributes[attribute] = value
     details = usage.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
     if isinstance(cached, int):
-        span.set_attribute("gen_ai.usage.cache_read.input_tokens", cached)
+        attributes["gen_ai.usage.cache_read.input_tokens"] = cached
     if ctx.response_model is not None:
-        span.set_attribute("gen_ai.response.model", ctx.response_model)
+        attributes["gen_ai.response.model"] = ctx.response_model
 
 
-def _attempt_ended(span: Span, ctx: RequestContext) -> None:
-    _usage(span, ctx)
-
-
-def _request_ended(span: Span, ctx: RequestContext, requested_model: str) -> None:
-    span.set_attribute("http.response.status_code", ctx.status)
-    span.set_attribute("kvgate.outcome", ctx.outcome)
-    span.set_attribute("kvgate.attempts", ctx.attempts)
-    span.set_attribute("kvgate.resumes", ctx.resumes)
-    _tenant(span, ctx)
-    _intent(span, ctx)
+def _request_ended(
+    attributes: Attributes, ctx: RequestContext, requested_model: str
+) -> tuple[int, str | None]:
+    """Fill the request span's closing attributes; its status code and description."""
+    attributes["http.response.status_code"] = ctx.status
+    attributes["kvgate.outcome"] = ctx.outcome
+    attributes["kvgate.attempts"] = ctx.attempts
+    attributes["kvgate.resumes"] = ctx.resumes
+    _tenant(attributes, ctx)
+    _intent(attributes, ctx)
     if ctx.endpoint is not None:
-        _endpoint(span, ctx)
-        span.set_attribute("gen_ai.provider.name", ctx.endpoint.engine)
+        _endpoint(attributes, ctx)
+        attributes["gen_ai.provider.name"] = ctx.endpoint.engine
     if ctx.model != requested_model:  # a routing fallback chose another model
-        span.set_attribute("kvgate.model", ctx.model)
+        attributes["kvgate.model"] = ctx.model
     if ctx.first_token_at is not None:
-        span.set_attribute("gen_ai.response.time_to_first_chunk", ctx.first_token_at - ctx.started)
-    _usage(span, ctx)
+        attributes["gen_ai.response.time_to_first_chunk"] = ctx.first_token_at - ctx.started
+    _usage(attributes, ctx)
     if ctx.outcome != "ok":
-        span.set_attribute("error.type", ctx.outcome)
+        attributes["error.type"] = ctx.outcome
         # Server spans: a 4xx is the client's error, not the gateway's; a broken stream is.
         if ctx.status >= 500 or ctx.committed:
-            span.set_status(Status(StatusCode.ERROR, ctx.outcome))
+            return _ERROR, ctx.outcome
+    return 0, None
 
 
-def _tenant(span: Span, ctx: RequestContext) -> None:
+def _tenant(attributes: Attributes, ctx: RequestContext) -> None:
     if ctx.tenant is not None:
-        span.set_attribute("kvgate.tenant", ctx.tenant.name)
-        span.set_attribute("kvgate.tier", ctx.tenant.tier)
+        attributes["kvgate.tenant"] = ctx.tenant.name
+        attributes["kvgate.tier"] = ctx.tenant.tier
     if ctx.key_id is not None:
-        span.set_attribute("kvgate.key_id", ctx.key_id)
+        attributes["kvgate.key_id"] = ctx.key_id
 
 
-def _intent(span: Span, ctx: RequestContext) -> None:
+def _intent(attributes: Attributes, ctx: RequestContext) -> None:
     intent = ctx.intent
     if intent is None:
         return
-    span.set_attribute("kvgate.class", intent.latency_class)
-    span.set_attribute("kvgate.prompt_tokens.estimated", intent.prompt_tokens)
-    span.set_attribute("gen_ai.request.max_tokens", intent.max_tokens)
+    attributes["kvgate.class"] = intent.latency_class
+    attributes["kvgate.prompt_tokens.estimated"] = intent.prompt_tokens
+    attributes["gen_ai.request.max_tokens"] = intent.max_tokens
     if intent.rule is not None:
-        span.set_attribute("kvgate.class.rule", intent.rule)
+        attributes["kvgate.class.rule"] = intent.rule
 
 
-def _endpoint(span: Span, ctx: RequestContext) -> None:
+def _endpoint(attributes: Attributes, ctx: RequestContext) -> None:
     assert ctx.endpoint is not None
-    span.set_attribute("kvgate.endpoint", ctx.endpoint.name)
-    span.set_attribute("kvgate.pool", ctx.endpoint.pool)
+    attributes["kvgate.endpoint"] = ctx.endpoint.name
+    attributes["kvgate.pool"] = ctx.endpoint.pool
     if ctx.prefix is not None:
-        span.set_attribute("kvgate.prefix.predicted_tokens", _predicted(ctx, ctx.endpoint.name))
-        span.set_attribute("kvgate.prefix.prompt_tokens", ctx.prefix.prompt_tokens)
+        attributes["kvgate.prefix.predicted_tokens"] = _predicted(ctx, ctx.endpoint.name)
+        attributes["kvgate.prefix.prompt_tokens"] = ctx.prefix.prompt_tokens
 
 
-def _priority(span: Span, ctx: RequestContext) -> None:
-    span.set_attribute("kvgate.priority", ctx.priority)
+def _priority(attributes: Attributes, ctx: RequestContext) -> None:
+    attributes["kvgate.priority"] = ctx.priority
+
+
+def _picked(attributes: Attributes, ctx: RequestContext) -> None:
+    if ctx.endpoint is not None:
+        _endpoint(attributes, ctx)
 
 
 # What each stage span records when it ends (what that stage decided).
-_STEP_ATTRIBUTES: dict[str, Callable[[Span, RequestContext], None]] = {
+_STEP_ATTRIBUTES: dict[str, Callable[[Attributes, RequestContext], None]] = {
     "kvgate.auth": _tenant,
     "kvgate.classify": _intent,
     "kvgate.admission": _priority,
-    "kvgate.pick": lambda span, ctx: _endpoint(span, ctx) if ctx.endpoint is not None else None,
+    "kvgate.pick": _picked,
 }

@@ -2,9 +2,10 @@
 variables (docs/config.md, docs/observability.md).
 
 Off (`exporter: none`, the default) `build_tracing` returns None: the chain then makes no trace
-and nothing on the request path calls OpenTelemetry. On, each app (each worker process, each
-reload) has its own TracerProvider, batching spans to the exporter in a background thread, and
-flushes it when the app shuts down. The spans themselves: kvgate/observability/request_trace.py.
+and nothing on the request path calls OpenTelemetry. On, requests are recorded as plain data
+(kvgate/observability/request_trace.py) and each app (each worker process, each reload) starts
+one exporter process (kvgate/observability/exporter_process.py) that builds the SDK spans and
+runs the official exporters outside the gateway's GIL; stopping the app flushes it.
 
 Settings: a key of `observability.tracing` in the config wins; a key left out falls back to
 the standard OTEL_* variables, read when the app is built (see `build_tracing`).
@@ -13,27 +14,25 @@ the standard OTEL_* variables, read when the app is built (see `build_tracing`).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_VERSION, Resource
-from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.export import (
-    BatchSpanProcessor,
-    ConsoleSpanExporter,
-    SimpleSpanProcessor,
-    SpanExporter,
-)
-from opentelemetry.sdk.trace.sampling import ALWAYS_ON
+from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SpanExporter
 
 from kvgate import __version__
 from kvgate.config import ConfigError, TracingConfig
+from kvgate.observability.exporter_process import ExporterProcess
 from kvgate.observability.request_trace import GatewayTracing
+from kvgate.observability.span_records import TraceRecord, readable_spans, scope
 
 _EXPORTERS = ("otlp", "console", "none")
 _PROTOCOLS = ("http/protobuf", "grpc")
 
 
 def build_tracing(
-    config: TracingConfig, exporter: SpanExporter | None = None
+    config: TracingConfig,
+    exporter: SpanExporter | None = None,
+    on_dropped: Callable[[int], None] = lambda spans: None,
 ) -> GatewayTracing | None:
     """The tracing of one app, or None when tracing is off.
 
@@ -48,29 +47,81 @@ def build_tracing(
     $OTEL_RESOURCE_ATTRIBUTES and $OTEL_SERVICE_NAME, service name `kvgate` when neither
     names one.
 
-    `exporter`, when given, receives every span as it ends in place of the configured
-    exporters (tests read spans in memory); it is unused when tracing is off. Raises
-    ConfigError for an exporter or protocol kvgate does not support."""
+    The configured exporters run in an exporter process (started by `GatewayTracing.open`);
+    `on_dropped` is told of spans dropped because it fell behind. `exporter`, when given,
+    receives every request's spans in this process, in place of the configured exporters,
+    as soon as the request ends (tests read spans in memory); it is unused when tracing is
+    off. Raises ConfigError for an exporter or protocol kvgate does not support."""
     names = _exporter_names(config)
     if not names:
         return None
     ratio = _sample_ratio(config)
-    processors: list[SpanProcessor]
-    if exporter is not None:
-        processors = [SimpleSpanProcessor(exporter)]
-    else:
-        # Every exporter first: a refused one must not leave a processor's thread running.
-        exporters = [_exporter(name, config) for name in names]
-        processors = [BatchSpanProcessor(e) for e in exporters]
     resource = Resource.create({SERVICE_VERSION: __version__})
     if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
         resource = resource.merge(Resource({SERVICE_NAME: "kvgate"}))
-    # Sampled before any span is made (GatewayTracing.start): every span made is recorded.
-    # Shut down by the app (a reload makes a new provider), not kept alive until exit.
-    provider = TracerProvider(sampler=ALWAYS_ON, resource=resource, shutdown_on_exit=False)
-    for processor in processors:
-        provider.add_span_processor(processor)
-    return GatewayTracing(provider, ratio)
+    if exporter is not None:
+        return GatewayTracing(InProcessExport(exporter, resource), ratio, resource)
+    if "otlp" in names:
+        _otlp_protocol()
+    settings: dict[str, object] = {
+        "exporters": names,
+        "endpoint": config.endpoint,
+        "resource": dict(resource.attributes),
+        "schema_url": resource.schema_url,
+        "version": __version__,
+    }
+    return GatewayTracing(ExporterProcess(settings, on_dropped), ratio, resource)
+
+
+class InProcessExport:
+    """Builds a request's spans and hands them to `exporter` at once, in this process (for
+    tests and tools that read spans in memory; the gateway serves with ExporterProcess)."""
+
+    def __init__(self, exporter: SpanExporter, resource: Resource) -> None:
+        self.exporter = exporter
+        self.resource = resource
+        self._scope = scope(__version__)
+
+    def send(self, record: TraceRecord) -> None:
+        self.exporter.export(readable_spans(record, self.resource, self._scope))
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        self.exporter.shutdown()
+
+
+def span_exporter(name: str, endpoint: str | None) -> SpanExporter:
+    """The official exporter `name` (`otlp` or `console`); OTLP to `endpoint`, else to where
+    the OTEL_EXPORTER_OTLP_* variables say."""
+    if name == "console":
+        return ConsoleSpanExporter()
+    if _otlp_protocol() == "grpc":
+        # Imported only when chosen: grpc is a heavy import the default path never needs.
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+            OTLPSpanExporter as GrpcExporter,
+        )
+
+        return GrpcExporter(endpoint=endpoint)
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    return OTLPSpanExporter(endpoint=endpoint)
+
+
+def _otlp_protocol() -> str:
+    environ = os.environ
+    protocol = (
+        environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+        or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+        or "http/protobuf"
+    ).strip()
+    if protocol not in _PROTOCOLS:
+        raise ConfigError(
+            "$OTEL_EXPORTER_OTLP_PROTOCOL",
+            [f"unsupported OTLP protocol {protocol!r}: kvgate sends http/protobuf or grpc"],
+        )
+    return protocol
 
 
 def _exporter_names(config: TracingConfig) -> list[str]:
@@ -107,29 +158,3 @@ def _sample_ratio(config: TracingConfig) -> float:
             "$OTEL_TRACES_SAMPLER_ARG", [f"must be a number from 0 to 1 (got: {given!r})"]
         )
     return ratio
-
-
-def _exporter(name: str, config: TracingConfig) -> SpanExporter:
-    if name == "console":
-        return ConsoleSpanExporter()
-    environ = os.environ
-    protocol = (
-        environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
-        or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
-        or "http/protobuf"
-    ).strip()
-    if protocol not in _PROTOCOLS:
-        raise ConfigError(
-            "$OTEL_EXPORTER_OTLP_PROTOCOL",
-            [f"unsupported OTLP protocol {protocol!r}: kvgate sends http/protobuf or grpc"],
-        )
-    if protocol == "grpc":
-        # Imported only when chosen: grpc is a heavy import the default path never needs.
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
-            OTLPSpanExporter as GrpcExporter,
-        )
-
-        return GrpcExporter(endpoint=config.endpoint)
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-    return OTLPSpanExporter(endpoint=config.endpoint)

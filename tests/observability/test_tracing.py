@@ -242,13 +242,13 @@ def test_settings_come_from_the_config_then_the_otel_variables(monkeypatch):
     monkeypatch.setenv("OTEL_SERVICE_NAME", "edge-gateway")
     tracing = build_tracing(TracingConfig(exporter="console"), memory)
     assert tracing is not None and tracing.ratio == 0.25
-    assert tracing.provider.resource.attributes["service.name"] == "edge-gateway"
+    assert tracing.resource.attributes["service.name"] == "edge-gateway"
     tracing = build_tracing(TracingConfig(exporter="console", sample_ratio=0.5), memory)
     assert tracing is not None and tracing.ratio == 0.5
     monkeypatch.delenv("OTEL_SERVICE_NAME")
     tracing = build_tracing(TracingConfig(exporter="console"), memory)
     assert tracing is not None
-    assert tracing.provider.resource.attributes["service.name"] == "kvgate"
+    assert tracing.resource.attributes["service.name"] == "kvgate"
 
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "zipkin")
     with pytest.raises(ConfigError, match="zipkin"):

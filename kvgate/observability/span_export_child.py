@@ -1,0 +1,91 @@
+"""The trace exporter process: reads finished request traces from its stdin (frames written by
+kvgate/observability/exporter_process.py), builds the OpenTelemetry SDK spans they stand for
+and exports them with the official exporters, in batches of up to 512 spans: whatever has
+arrived is exported as soon as the pipe has nothing more to read. At end of input (the gateway
+stopped, or died) it exports what it holds, shuts the exporters down and exits.
+
+    python -m kvgate.observability.span_export_child SETTINGS_JSON
+
+SETTINGS_JSON: {"exporters": ["otlp" | "console", ...], "endpoint": URL or null,
+"resource": {attribute: value}, "schema_url": str, "version": kvgate's version}. The OTLP
+exporter also reads the OTEL_EXPORTER_OTLP_* variables, inherited from the gateway.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import marshal
+import os
+import select
+import signal
+import sys
+
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExporter
+
+from kvgate.observability.exporter_process import FRAME
+from kvgate.observability.span_records import readable_spans, scope
+from kvgate.observability.tracing import span_exporter
+
+log = logging.getLogger("kvgate.tracing")
+# The SDK batch processor's default export batch size.
+MAX_BATCH = 512
+_READ_BYTES = 1 << 20
+
+
+def main(settings: dict[str, object]) -> None:
+    # Ctrl-C reaches the whole process group: the gateway ends this process by closing the pipe.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    endpoint = settings["endpoint"]
+    assert endpoint is None or isinstance(endpoint, str)
+    names = settings["exporters"]
+    assert isinstance(names, list)
+    exporters = [span_exporter(name, endpoint) for name in names]
+    attributes = settings["resource"]
+    assert isinstance(attributes, dict)
+    resource = Resource(attributes, str(settings["schema_url"]) or None)
+    instrumentation = scope(str(settings["version"]))
+    stdin = sys.stdin.fileno()
+    received = bytearray()
+    spans: list[ReadableSpan] = []
+    while True:
+        if spans and not select.select([stdin], [], [], 0)[0]:
+            _export(exporters, spans)
+            spans = []
+            continue
+        chunk = os.read(stdin, _READ_BYTES)
+        if not chunk:
+            break
+        received += chunk
+        offset = 0
+        while len(received) - offset >= FRAME.size:
+            (size,) = FRAME.unpack_from(received, offset)
+            start = offset + FRAME.size
+            if len(received) - start < size:
+                break
+            record = marshal.loads(received[start : start + size])
+            spans += readable_spans(record, resource, instrumentation)
+            offset = start + size
+        del received[:offset]
+        while len(spans) >= MAX_BATCH:
+            _export(exporters, spans[:MAX_BATCH])
+            del spans[:MAX_BATCH]
+    _export(exporters, spans)
+    for exporter in exporters:
+        exporter.shutdown()
+
+
+def _export(exporters: list[SpanExporter], spans: list[ReadableSpan]) -> None:
+    if not spans:
+        return
+    for exporter in exporters:
+        try:
+            exporter.export(spans)
+        except Exception:  # one failed batch must not end the exports that follow
+            log.exception("trace export failed (%d spans lost)", len(spans))
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))

@@ -1,0 +1,227 @@
+"""The trace export path off the request: a recorded trace becomes exactly the spans the SDK
+would have made (same OTLP bytes), the exporter process delivers traces to a real OTLP/HTTP
+receiver, drops and counts what does not fit while it is stalled, and a gateway serving with
+`exporter: otlp` sends its spans through it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Iterator
+
+import pytest
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.id_generator import IdGenerator
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON
+from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from kvgate import __version__
+from kvgate.app import GatewayApp
+from kvgate.config import parse_config
+from kvgate.observability.exporter_process import ExporterProcess
+from kvgate.observability.span_records import (
+    NEW_TRACE_FLAGS,
+    SAMPLED,
+    ClientParent,
+    TraceRecord,
+    readable_spans,
+    scope,
+)
+from kvgate.sim import EngineOptions, SimFleet
+from tests.conftest import gateway_config
+from tests.otlp_collector import OtlpCollector
+from tests.sdk_clients import sdk_client
+from tests.servers import ServerThread
+
+TRACE = 0x4BF92F3577B34DA6A3CE929D0E0E4736
+CLIENT_SPAN = 0x00F067AA0BA902B7
+ROOT, AUTH, ATTEMPT = 0x1111, 0x2222, 0x3333
+RESOURCE = Resource({"service.name": "kvgate", "service.version": __version__})
+
+
+class _FixedIds(IdGenerator):
+    """The SDK's ids, chosen: one trace id, then the given span ids in order."""
+
+    def __init__(self, span_ids: list[int]) -> None:
+        self._spans = iter(span_ids)
+
+    def generate_trace_id(self) -> int:
+        return TRACE
+
+    def generate_span_id(self) -> int:
+        return next(self._spans)
+
+    def is_trace_id_random(self) -> bool:
+        return True
+
+
+def _made_by_the_sdk(client: ClientParent | None) -> list[ReadableSpan]:
+    """A request's spans made the SDK's way (the way kvgate made them before records)."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(
+        sampler=ALWAYS_ON,
+        resource=RESOURCE,
+        id_generator=_FixedIds([ROOT, AUTH, ATTEMPT]),
+        shutdown_on_exit=False,
+    )
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("kvgate", __version__)
+    parent = None
+    if client is not None:
+        carrier = {"traceparent": f"00-{TRACE:032x}-{client[0]:016x}-{client[1]:02x}"}
+        carrier["tracestate"] = client[2]
+        parent = TraceContextTextMapPropagator().extract(carrier)
+    root = tracer.start_span(
+        "POST /v1/chat/completions",
+        context=parent,
+        kind=SpanKind.SERVER,
+        start_time=1_000,
+        attributes={"http.route": "/v1/chat/completions", "gen_ai.request.stream": True},
+    )
+    auth = tracer.start_span("kvgate.auth", context=set_span_in_context(root), start_time=1_100)
+    auth.set_attribute("kvgate.tenant", "acme")
+    auth.set_attribute("error.type", "invalid_api_key")
+    auth.set_status(Status(StatusCode.ERROR, "invalid_api_key"))
+    auth.end(1_200)
+    attempt = tracer.start_span(
+        "chat sim-model",
+        context=set_span_in_context(root),
+        kind=SpanKind.CLIENT,
+        start_time=1_300,
+        attributes={"server.port": 9000, "kvgate.attempt": 1},
+    )
+    attempt.set_attribute("gen_ai.usage.output_tokens", 7)
+    attempt.end(1_400)
+    root.set_attribute("http.response.status_code", 200)
+    root.set_attribute("gen_ai.response.time_to_first_chunk", 0.25)
+    root.end(1_500)
+    provider.shutdown()
+    return list(exporter.get_finished_spans())
+
+
+def _recorded(client: ClientParent | None) -> TraceRecord:
+    """The same request as kvgate records it."""
+    flags = NEW_TRACE_FLAGS if client is None else SAMPLED
+    auth = {"kvgate.tenant": "acme", "error.type": "invalid_api_key"}
+    attempt = {"server.port": 9000, "kvgate.attempt": 1, "gen_ai.usage.output_tokens": 7}
+    root = {"http.route": "/v1/chat/completions", "gen_ai.request.stream": True}
+    root |= {"http.response.status_code": 200, "gen_ai.response.time_to_first_chunk": 0.25}
+    error, internal, client_kind = StatusCode.ERROR.value, SpanKind.INTERNAL.value, 2
+    spans = [
+        ("kvgate.auth", internal, AUTH, ROOT, 1_100, 1_200, auth, error, "invalid_api_key"),
+        ("chat sim-model", client_kind, ATTEMPT, ROOT, 1_300, 1_400, attempt, 0, None),
+        ("POST /v1/chat/completions", SpanKind.SERVER.value, ROOT, 0, 1_000, 1_500, root, 0, None),
+    ]
+    return (TRACE, flags, client, spans)
+
+
+@pytest.mark.parametrize("client", [None, (CLIENT_SPAN, 1, "vendor=abc,other=1")])
+def test_a_record_becomes_the_spans_the_sdk_would_have_made(client):
+    assert SpanKind.CLIENT.value == 2
+    expected = encode_spans(_made_by_the_sdk(client)).SerializeToString()
+    built = readable_spans(_recorded(client), RESOURCE, scope(__version__))
+    assert encode_spans(built).SerializeToString() == expected
+
+
+def _settings(endpoint: str) -> dict[str, object]:
+    return {
+        "exporters": ["otlp"],
+        "endpoint": endpoint,
+        "resource": dict(RESOURCE.attributes),
+        "schema_url": "",
+        "version": __version__,
+    }
+
+
+def _trace(number: int) -> TraceRecord:
+    spans = [
+        ("kvgate.auth", 1, 2 * number + 2, 2 * number + 1, 10, 20, {"n": number}, 0, None),
+        ("POST /v1/chat/completions", 2, 2 * number + 1, 0, 0, 30, {"n": number}, 0, None),
+    ]
+    return (number + 1, NEW_TRACE_FLAGS, None, spans)
+
+
+def test_a_stalled_exporter_process_drops_and_counts_what_does_not_fit_then_delivers_the_rest():
+    dropped: list[int] = []
+
+    async def scenario(endpoint: str) -> tuple[int, int]:
+        export = ExporterProcess(_settings(endpoint), dropped.append, max_buffered_bytes=2**17)
+        await export.start()
+        assert export.pid is not None
+        os.kill(export.pid, signal.SIGSTOP)  # it reads nothing: the pipe, then the buffer fill
+        sent = 0
+        try:
+            while not dropped:
+                for _ in range(100):
+                    export.send(_trace(sent // 2))
+                    sent += 2
+                await asyncio.sleep(0.15)  # the batch goes down the pipe
+                assert sent < 20_000, "nothing was ever dropped"
+        finally:
+            os.kill(export.pid, signal.SIGCONT)
+        await export.stop()
+        return sent, export.dropped
+
+    with OtlpCollector() as collector:
+        sent, counted = asyncio.run(scenario(collector.endpoint))
+        received = collector.spans
+    assert sum(dropped) == counted > 0
+    assert len(received) + counted == sent
+    # What arrived is whole traces in the order sent, up to the first dropped one.
+    numbers = [s.attributes[0].value.int_value for s in received]
+    assert numbers == sorted(numbers) and numbers[0] == 0
+    assert len(set(numbers)) * 2 == len(received)
+
+
+@pytest.fixture
+def fleet() -> Iterator[SimFleet]:
+    with SimFleet.in_thread(engines=1, options=EngineOptions(profile="fast")) as sim:
+        yield sim
+
+
+def test_a_gateway_exporting_otlp_sends_each_requests_spans_through_its_exporter_process(fleet):
+    with OtlpCollector() as collector:
+        tracing = {"exporter": "otlp", "endpoint": collector.endpoint}
+        config = gateway_config(
+            fleet.urls,
+            pool={"models": ["sim-model"]},
+            auth="none",
+            observability={"tracing": tracing},
+        )
+        app = GatewayApp(parse_config(config))
+        with ServerThread(app) as server:
+            client = sdk_client(base_url=server.url + "/v1", api_key="none", max_retries=0)
+            client.chat.completions.create(
+                model="sim-model",
+                max_tokens=3,
+                messages=[{"role": "user", "content": "hello"}],
+                extra_headers={"traceparent": f"00-{TRACE:032x}-{CLIENT_SPAN:016x}-01"},
+            )
+            assert app.tracing is not None
+            pid = app.tracing.export.pid  # type: ignore[attr-defined]
+            assert pid is not None and pid != os.getpid()
+        spans = {s.name: s for s in collector.spans}  # the app stopped: everything is flushed
+        resource = {a.key: a.value.string_value for a in collector.resources[0].resource.attributes}
+    assert resource["service.name"] == "kvgate"
+    assert set(spans) == {
+        "POST /v1/chat/completions",
+        "kvgate.auth",
+        "kvgate.classify",
+        "kvgate.admission",
+        "kvgate.pick",
+        "chat sim-model",
+    }
+    root = spans["POST /v1/chat/completions"]
+    assert root.trace_id == TRACE.to_bytes(16, "big")
+    assert root.parent_span_id == CLIENT_SPAN.to_bytes(8, "big")
+    assert all(s.trace_id == root.trace_id for s in spans.values())
+    assert all(s.parent_span_id == root.span_id for n, s in spans.items() if s is not root)
+    attempt = spans["chat sim-model"]
+    received = fleet.engines[0].stats()["last_request"]["headers"]["traceparent"]
+    assert received == f"00-{TRACE:032x}-{attempt.span_id.hex()}-01"
