@@ -24,7 +24,8 @@ tables, one command for all of them.
 configured by default (tracing off) and kvgate tracing requests (`sample_ratio`:
 `--tracing-ratio`, default 1.0: every request) side by side, rate x mode rows only. otlp
 exports to benchmarks/null_collector.py (the real OTLP exporter, a collector that costs
-nothing); console writes every span as JSON to /dev/null.
+nothing); console writes every span as JSON to /dev/null. The traced gateway's CPU per request
+includes its trace exporter process, whose part is reported on its own line.
 
 `--workers 1,2` measures instead how `kvgate serve --workers N` scales: for each N, on Redis
 state (a real redis-server, as the tests start it), the highest non-streaming rate whose added
@@ -103,6 +104,9 @@ class Run:
     mode: str
     summaries: dict[str, dict[str, Any]]
     cpu_ms_per_request: dict[str, float] = field(default_factory=dict)
+    # The part of it spent in each gateway's child processes (kvgate's trace exporter process,
+    # or the workers of a gateway run with --workers).
+    child_cpu_ms_per_request: dict[str, float] = field(default_factory=dict)
 
     @property
     def direct(self) -> dict[str, Any]:
@@ -161,6 +165,15 @@ def _cpu_seconds(pid: int) -> float:
         total += (int(fields[11]) + int(fields[12])) / _CLK_TCK
         pending += [int(child) for child in children]
     return total
+
+
+def _children_cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) of the live child processes of `pid` and their descendants."""
+    return sum(
+        _cpu_seconds(int(child))
+        for listing in Path(f"/proc/{pid}/task").glob("*/children")
+        for child in listing.read_text().split()
+    )
 
 
 def run_loadgen(
@@ -234,6 +247,7 @@ class Bench:
         targets = {DIRECT: self.direct_url} | {n: self.gateways[n].url for n in chosen}
         self.quiesce()
         before = {n: _cpu_seconds(self.gateways[n].pid) for n in chosen}
+        children_before = {n: _children_cpu_seconds(self.gateways[n].pid) for n in chosen}
         if h2load:
             s = self.settings
             result = h2load_rates.run(targets, rate, seconds, s.warmup, s.rounds)
@@ -243,10 +257,13 @@ class Bench:
             )
         run = Run(rate, mode, result)
         for name in chosen:
-            cpu = _cpu_seconds(self.gateways[name].pid) - before[name]
+            pid = self.gateways[name].pid
+            cpu = _cpu_seconds(pid) - before[name]
+            children = _children_cpu_seconds(pid) - children_before[name]
             warmup_share = self.settings.warmup * self.settings.rounds / seconds
             sent = result[name]["count"] * (1 + warmup_share)
             run.cpu_ms_per_request[name] = 1000 * cpu / sent
+            run.child_cpu_ms_per_request[name] = 1000 * children / sent
         self.runs[key] = run
         _progress(run)
         return run
@@ -648,6 +665,14 @@ def comparison_lines(runs: Iterable[Run], before: str, after: str) -> str:
     return "\n".join(lines)
 
 
+def exporter_cpu_line(runs: Iterable[Run]) -> str:
+    """The traced gateway's CPU per request spent in its trace exporter process, per row."""
+    cells = [
+        f"{run.rate}/s {run.mode} {run.child_cpu_ms_per_request[KVGATE_TRACED]:.3f}" for run in runs
+    ]
+    return "Of which in the exporter process (CPU ms/req): " + ", ".join(cells) + "."
+
+
 def tracing_report(
     settings: Settings, exporter: str, ratio: float, rows: dict[str, list[Run]]
 ) -> str:
@@ -658,8 +683,10 @@ def tracing_report(
         f"tracing adds < {TRACING_TARGET:.0%} of kvgate's added latency. Poisson arrivals; "
         f"{s.duration:g} s measured per target per row ({s.rounds} ABBA rounds, {s.warmup:g} s "
         f"warm-up each, discarded); stream = {s.chunks} events {s.gap_ms:g} ms apart + [DONE]. "
-        "All figures in ms; off → on (share of off).",
+        "All figures in ms; off → on (share of off). CPU ms/req counts the gateway process "
+        "and its trace exporter process (the exporter's part on the last line).",
         comparison_lines(runs, KVGATE, KVGATE_TRACED),
+        exporter_cpu_line(runs),
         "### Non-streaming",
         unary_table(rows["unary"]),
         "### Streaming",

@@ -7,11 +7,13 @@ protobuf encoding holds this process's GIL while it serves.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import logging
 import marshal
 import sys
 from collections.abc import Callable
+from contextlib import suppress
 from struct import Struct
 
 from kvgate.observability.span_records import TraceRecord
@@ -26,6 +28,8 @@ FLUSH_SECONDS = 0.1
 # What may wait in the gateway (not yet written, or written but not yet read by the exporter
 # process): about 8,000 requests of six spans. Beyond it new traces are dropped and counted.
 MAX_BUFFERED_BYTES = 8 * 2**20
+# The pipe's own buffer (Linux allows up to 1 MiB unprivileged; its default is 64 KiB).
+PIPE_BYTES = 2**20
 # How long shutdown waits for the exporter process to export what it was sent and exit.
 STOP_SECONDS = 30.0
 _CHILD = "kvgate.observability.span_export_child"
@@ -64,6 +68,9 @@ class ExporterProcess:
         )
         assert process.stdin is not None
         self._transport = process.stdin.transport
+        pipe = self._transport.get_extra_info("pipe")
+        with suppress(OSError):  # a bigger pipe: fewer partial writes; the default still works
+            fcntl.fcntl(pipe.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
         self._exit_watch = asyncio.ensure_future(process.wait())
         self._exit_watch.add_done_callback(self._exited)
 

@@ -33,11 +33,15 @@ log = logging.getLogger("kvgate.tracing")
 # The SDK batch processor's default export batch size.
 MAX_BATCH = 512
 _READ_BYTES = 1 << 20
+NICE = 10
 
 
 def main(settings: dict[str, object]) -> None:
     # Ctrl-C reaches the whole process group: the gateway ends this process by closing the pipe.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Export is background work: on busy cores the gateway serving requests goes first (what
+    # cannot keep up is dropped and counted by the gateway).
+    os.nice(NICE)
     endpoint = settings["endpoint"]
     assert endpoint is None or isinstance(endpoint, str)
     names = settings["exporters"]
