@@ -37,8 +37,10 @@ NICE = 10
 
 
 def main(settings: dict[str, object]) -> None:
-    # Ctrl-C reaches the whole process group: the gateway ends this process by closing the pipe.
+    # Ctrl-C, or a service manager's SIGTERM, may reach the whole process group: the gateway
+    # ends this process by closing the pipe once everything is sent (or by dying).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     # Export is background work: on busy cores the gateway serving requests goes first (what
     # cannot keep up is dropped and counted by the gateway).
     os.nice(NICE)
