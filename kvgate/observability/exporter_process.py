@@ -11,6 +11,7 @@ import fcntl
 import json
 import logging
 import marshal
+import os
 import sys
 from collections.abc import Callable
 from contextlib import suppress
@@ -63,15 +64,23 @@ class ExporterProcess:
 
     async def start(self) -> None:
         """Start the child process, its stdin a pipe from this one."""
-        process = self._process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", _CHILD, json.dumps(self.settings), stdin=asyncio.subprocess.PIPE
-        )
-        assert process.stdin is not None
-        self._transport = process.stdin.transport
-        pipe = self._transport.get_extra_info("pipe")
+        # The pipe is made here, not by asyncio: its size can then be set under any event loop.
+        read_end, write_end = os.pipe()
         with suppress(OSError):  # a bigger pipe: fewer partial writes; the default still works
-            fcntl.fcntl(pipe.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
-        self._exit_watch = asyncio.ensure_future(process.wait())
+            fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+        try:
+            self._process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", _CHILD, json.dumps(self.settings), stdin=read_end
+            )
+        except BaseException:
+            os.close(write_end)
+            raise
+        finally:
+            os.close(read_end)
+        loop = asyncio.get_running_loop()
+        pipe = os.fdopen(write_end, "wb", buffering=0)
+        self._transport, _ = await loop.connect_write_pipe(asyncio.BaseProtocol, pipe)
+        self._exit_watch = asyncio.ensure_future(self._process.wait())
         self._exit_watch.add_done_callback(self._exited)
 
     @property
@@ -132,8 +141,8 @@ class ExporterProcess:
         process = self._process
         if process is None or self._exit_watch is None:
             return
-        assert process.stdin is not None
-        process.stdin.close()  # the pipe closes once what is buffered is written
+        assert self._transport is not None
+        self._transport.close()  # the pipe closes once what is buffered is written
         try:
             await asyncio.wait_for(asyncio.shield(self._exit_watch), STOP_SECONDS)
         except TimeoutError:
