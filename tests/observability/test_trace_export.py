@@ -185,7 +185,10 @@ def fleet() -> Iterator[SimFleet]:
         yield sim
 
 
-def test_a_gateway_exporting_otlp_sends_each_requests_spans_through_its_exporter_process(fleet):
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])  # `kvgate serve` runs uvloop
+def test_a_gateway_exporting_otlp_sends_each_requests_spans_through_its_exporter_process(
+    fleet, loop
+):
     with OtlpCollector() as collector:
         tracing = {"exporter": "otlp", "endpoint": collector.endpoint}
         config = gateway_config(
@@ -195,7 +198,7 @@ def test_a_gateway_exporting_otlp_sends_each_requests_spans_through_its_exporter
             observability={"tracing": tracing},
         )
         app = GatewayApp(parse_config(config))
-        with ServerThread(app) as server:
+        with ServerThread(app, loop=loop) as server:
             client = sdk_client(base_url=server.url + "/v1", api_key="none", max_retries=0)
             client.chat.completions.create(
                 model="sim-model",
