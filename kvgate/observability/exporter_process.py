@@ -26,8 +26,8 @@ FRAME = Struct("<I")
 # Records wait this long in the gateway to go down the pipe together (one write, one wake-up
 # of the exporter process, per batch rather than per request).
 FLUSH_SECONDS = 0.1
-# What may wait in the gateway (not yet written, or written but not yet read by the exporter
-# process): about 8,000 requests of six spans. Beyond it new traces are dropped and counted.
+# What may wait in the gateway, not yet taken by the pipe: about 6,000 requests of six spans
+# (≈ 1.3 KB each), besides what the pipe holds. Beyond it new traces are dropped and counted.
 MAX_BUFFERED_BYTES = 8 * 2**20
 # The pipe's own buffer (Linux allows up to 1 MiB unprivileged; its default is 64 KiB).
 PIPE_BYTES = 2**20

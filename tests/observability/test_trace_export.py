@@ -179,6 +179,26 @@ def test_a_stalled_exporter_process_drops_and_counts_what_does_not_fit_then_deli
     assert len(set(numbers)) * 2 == len(received)
 
 
+def test_traces_sent_after_the_exporter_process_died_are_dropped_counted_and_logged(caplog):
+    dropped: list[int] = []
+
+    async def scenario() -> None:
+        export = ExporterProcess(_settings("http://127.0.0.1:9/v1/traces"), dropped.append)
+        await export.start()
+        assert export.pid is not None
+        os.kill(export.pid, signal.SIGKILL)
+        for _ in range(200):  # until the gateway has seen it go
+            await asyncio.sleep(0.02)
+            export.send(_trace(0))
+            if dropped:
+                break
+        await export.stop()
+
+    asyncio.run(scenario())
+    assert dropped and set(dropped) == {2}
+    assert "trace exporter process" in caplog.text and "dropped from now on" in caplog.text
+
+
 @pytest.fixture
 def fleet() -> Iterator[SimFleet]:
     with SimFleet.in_thread(engines=1, options=EngineOptions(profile="fast")) as sim:
