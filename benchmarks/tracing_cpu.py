@@ -5,8 +5,10 @@ not queueing on a shared machine.
     flock /tmp/kvgate-bench.lock .venv/bin/python benchmarks/tracing_cpu.py [--rounds 8]
         [--block 300]
 
-Starts benchmarks/fast_upstream.py, benchmarks/null_collector.py and three `kvgate serve`
-processes (tracing off; otlp at `sample_ratio` 0; otlp at 1.0), warms each with 200 requests,
+Starts benchmarks/fast_upstream.py, benchmarks/null_collector.py and four `kvgate serve`
+processes (tracing off; otlp at `sample_ratio` 0; otlp at 1.0; otlp at 1.0 with its trace
+exporter process stopped by SIGSTOP while measured, so that what remains is the gateway's own
+cost without the exporter's CPU beside it on the shared cores), warms each with 200 requests,
 then sends `--block` non-streaming requests to each in turn, reversing the order every round
 (ABBA), and prints the CPU time (user + system, all threads) each gateway process spent per
 request, and beside it that of its child processes (the trace exporter process).
@@ -15,6 +17,8 @@ request, and beside it that of its child processes (the trace exporter process).
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import tempfile
 import time
 from contextlib import ExitStack
@@ -27,6 +31,18 @@ from overhead import _children_cpu_seconds, _cpu_seconds
 _BODY = {"model": "bench-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 _WARMUP = 200
 _SETTLE_SECONDS = 1.0  # longer than the gateway's 0.1 s batching of traces for the exporter
+# A fourth gateway tracing every request whose exporter process is stopped (SIGSTOP) while
+# measured: its gateway's own cost, without the exporter's CPU on the shared cores. What it
+# is sent meanwhile waits in the gateway (up to ~6,000 requests before any drop).
+_PAUSED = "every request, exporter process stopped"
+
+
+def _child_pids(pid: int) -> list[int]:
+    return [
+        int(child)
+        for listing in Path(f"/proc/{pid}/task").glob("*/children")
+        for child in listing.read_text().split()
+    ]
 
 
 def _tracing(collector: str, ratio: float) -> str:
@@ -51,6 +67,7 @@ def main() -> None:
             "off": "",
             "sampling nothing": _tracing(collector_url, 0.0),
             "every request": _tracing(collector_url, 1.0),
+            _PAUSED: _tracing(collector_url, 1.0),
         }
         gateways: dict[str, tuple[str, int]] = {}
         for index, (name, extra) in enumerate(extras.items()):
@@ -65,6 +82,9 @@ def main() -> None:
         for url, _ in gateways.values():
             for _ in range(_WARMUP):
                 client.post(url, json=_BODY).raise_for_status()
+        paused = _child_pids(gateways[_PAUSED][1])
+        for pid in paused:
+            os.kill(pid, signal.SIGSTOP)
         cpu = dict.fromkeys(gateways, 0.0)
         # A child exports a moment after its gateway's block: counted over the whole run.
         time.sleep(_SETTLE_SECONDS)
@@ -80,6 +100,8 @@ def main() -> None:
         time.sleep(_SETTLE_SECONDS)
         for name, (_, pid) in gateways.items():
             children[name] += _children_cpu_seconds(pid)
+        for pid in paused:  # it exports what it was sent, then exits with its gateway
+            os.kill(pid, signal.SIGCONT)
         sent = args.rounds * args.block
         base = cpu["off"] / sent
         for name, seconds in cpu.items():
