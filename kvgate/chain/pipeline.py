@@ -105,7 +105,10 @@ class RequestChain:
                     self.settle(ctx)
                 finally:
                     if ctx.trace is not None:
-                        ctx.trace.finish()
+                        # Unlinked from the context (which may wait for the cyclic collector),
+                        # the trace and its spans are freed as soon as it is finished.
+                        trace, ctx.trace = ctx.trace, None
+                        trace.finish()
 
 
 async def _traced(stage: Stage, ctx: RequestContext, trace: RequestTrace, name: str) -> None:
