@@ -11,6 +11,7 @@ import signal
 from collections.abc import Iterator
 
 import pytest
+import uvloop
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -205,9 +206,19 @@ def fleet() -> Iterator[SimFleet]:
         yield sim
 
 
-@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])  # `kvgate serve` runs uvloop
+@pytest.fixture(params=["asyncio", "uvloop"])
+def event_loop_kind(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Serve under asyncio's loop, or under uvloop as `kvgate serve` does."""
+    if request.param == "uvloop":
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    try:
+        yield request.param
+    finally:
+        asyncio.set_event_loop_policy(None)
+
+
 def test_a_gateway_exporting_otlp_sends_each_requests_spans_through_its_exporter_process(
-    fleet, loop
+    fleet, event_loop_kind
 ):
     with OtlpCollector() as collector:
         tracing = {"exporter": "otlp", "endpoint": collector.endpoint}
@@ -218,7 +229,9 @@ def test_a_gateway_exporting_otlp_sends_each_requests_spans_through_its_exporter
             observability={"tracing": tracing},
         )
         app = GatewayApp(parse_config(config))
-        with ServerThread(app, loop=loop) as server:
+        with ServerThread(app) as server:
+            assert server.loop is not None
+            assert type(server.loop).__module__.split(".")[0] == event_loop_kind
             client = sdk_client(base_url=server.url + "/v1", api_key="none", max_retries=0)
             client.chat.completions.create(
                 model="sim-model",
