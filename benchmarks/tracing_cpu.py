@@ -37,6 +37,11 @@ _SETTLE_SECONDS = 1.0  # longer than the gateway's 0.1 s batching of traces for 
 _PAUSED = "every request, exporter process stopped"
 
 
+def _own_cpu_seconds(pid: int) -> float:
+    """The gateway process's own CPU time (overhead's figure also counts its children)."""
+    return _cpu_seconds(pid) - _children_cpu_seconds(pid)
+
+
 def _child_pids(pid: int) -> list[int]:
     return [
         int(child)
@@ -93,10 +98,10 @@ def main() -> None:
             order = list(gateways) if round_number % 2 == 0 else list(reversed(gateways))
             for name in order:
                 url, pid = gateways[name]
-                before = _cpu_seconds(pid)
+                before = _own_cpu_seconds(pid)
                 for _ in range(args.block):
                     client.post(url, json=_BODY).raise_for_status()
-                cpu[name] += _cpu_seconds(pid) - before
+                cpu[name] += _own_cpu_seconds(pid) - before
         time.sleep(_SETTLE_SECONDS)
         for name, (_, pid) in gateways.items():
             children[name] += _children_cpu_seconds(pid)
