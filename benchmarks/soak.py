@@ -22,8 +22,13 @@ Redis quota call). This script is the open-loop client (Poisson arrivals).
 Reported: RSS growth from the end of the warm-up (the first 5 minutes, or a quarter of a
 shorter run) to the end, as medians of a minute's samples (so in-flight requests do not decide
 it), and over the second half alone (a leak keeps growing; a high-water mark set by one peak
-of concurrency does not); the same for the other samples, and all again idle, before and after
-the load; outcomes per request (`--dump` writes the samples and every request not completed).
+of concurrency does not); the same for the other samples; for the counts (fds, tasks,
+connections) the verdict on growth: the maximum of the last 10 minutes (a sixth of a shorter
+run) against the maximum of minutes 5 to 15 after the warm-up; all again idle, before the load
+and `--settle` seconds after it (longer than the gateway's idle timeouts for engine and Redis
+connections, so what is left is what it keeps); the Redis link's calls, failures, breaker
+openings, quota fallbacks and call durations (from the gateway's /metrics); outcomes per
+request (`--dump` writes the samples and every request not completed).
 A request is lost unless it completed, was dropped by its own client, or ended with a
 well-formed OpenAI error while a fault that must fail it was on: a stream that already relayed
 tokens from an engine that then crashes (`crash_after_tokens`) or stalls
@@ -86,6 +91,13 @@ FAULTS: list[tuple[float, float, dict[str, object]]] = [
 MUST_FAIL = ("crash_after_tokens", "stall_after_tokens")
 REDIS_RESTART_AT = 0.5
 TASKS_METRIC = "kvgate_process_asyncio_tasks "
+REDIS_COUNTERS = (
+    "kvgate_state_redis_failures_total",
+    "kvgate_state_redis_breaker_opened_total",
+    "kvgate_quota_local_fallbacks_total",
+    "kvgate_state_resyncs_total",
+)
+REDIS_CALLS = "kvgate_state_redis_call_seconds"
 SAMPLED = (
     ("rss_mib", "MiB"),
     ("fds", ""),
@@ -110,6 +122,7 @@ class Run:
     samples: list[dict[str, float]] = field(default_factory=list)
     must_fail_windows: list[tuple[float, float]] = field(default_factory=list)
     lag: list[float] = field(default_factory=list)
+    redis_summary: str = ""
 
 
 def gateway_yaml(port: int, urls: list[str], redis_url: str) -> str:
@@ -363,6 +376,20 @@ async def sample(
     }
 
 
+async def idle_sample(
+    url: str, pid: int, origin: float, ports: dict[str, set[int]]
+) -> dict[str, float]:
+    """The least of each measure over five samples half a second apart, through a client of
+    its own: what the gateway keeps when idle, without the health probes in flight at one
+    instant (three tasks and connections each second here)."""
+    samples = []
+    async with client_for(url) as client:
+        for _ in range(5):
+            samples.append(await sample(client, pid, origin, ports))
+            await asyncio.sleep(0.5)
+    return {key: min(s[key] for s in samples) for key in samples[0]}
+
+
 async def sampler(
     client: httpx.AsyncClient,
     pid: int,
@@ -376,18 +403,56 @@ async def sampler(
         await asyncio.sleep(every)
 
 
+def redis_summary(metrics: str) -> str:
+    """One line on the gateway's Redis link from its /metrics text: calls, failures, breaker
+    openings, quota fallbacks, resyncs and call-duration quantiles (as bucket upper bounds)."""
+    values: dict[str, float] = {}
+    buckets: list[tuple[float, float]] = []
+    for line in metrics.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name in REDIS_COUNTERS:
+            values[name] = float(value)
+        elif name.startswith(REDIS_CALLS + "_bucket{le="):
+            bound = name.split('"')[1]
+            buckets.append((float("inf") if bound == "+Inf" else float(bound), float(value)))
+    if not buckets:
+        return "Redis link: no call-duration histogram in /metrics."
+    total = buckets[-1][1]
+
+    def quantile(q: float) -> str:
+        bound = next(b for b, count in buckets if count >= q * total)
+        return f"<= {1000 * bound:g} ms" if bound != float("inf") else "> 1 s"
+
+    counters = ", ".join(
+        f"{name.removeprefix('kvgate_').removesuffix('_total')} {values.get(name, 0):g}"
+        for name in REDIS_COUNTERS
+    )
+    slow = total - next((count for b, count in buckets if b >= 0.1), total)
+    return (
+        f"Redis link: {total:g} calls; {counters}; call duration p50 {quantile(0.5)}, "
+        f"p99 {quantile(0.99)}, p99.9 {quantile(0.999)}, max {quantile(1.0)}; "
+        f"{slow:g} took longer than 100 ms."
+    )
+
+
 def median_between(samples: list[dict[str, float]], key: str, start: float, end: float) -> float:
     values = [s[key] for s in samples if start <= s["t"] <= end]
     return statistics.median(values) if values else float("nan")
 
 
+def max_between(samples: list[dict[str, float]], key: str, start: float, end: float) -> float:
+    values = [s[key] for s in samples if start <= s["t"] <= end]
+    return max(values) if values else float("nan")
+
+
 def growth_rows(run: Run, duration: float, idle: tuple[dict[str, float], dict[str, float]]) -> str:
     warm = min(300.0, duration / 4)
     window = min(60.0, duration / 8)
+    span = min(600.0, duration / 6)
     rows = [
         "| measure | after warm-up | half way | at the end | growth | growth, second half | "
-        "idle before | idle after |",
-        "|---|---|---|---|---|---|---|---|",
+        "max early | max last | grew | idle before | idle after |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key, unit in SAMPLED:
         first = median_between(run.samples, key, warm, warm + window)
@@ -395,9 +460,13 @@ def growth_rows(run: Run, duration: float, idle: tuple[dict[str, float], dict[st
         last = median_between(run.samples, key, duration - window, duration)
         growth = f"{100 * (last - first) / first:+.1f}%" if first else "-"
         late = f"{100 * (last - half) / half:+.1f}%" if half else "-"
+        early_max = max_between(run.samples, key, warm, warm + span)
+        late_max = max_between(run.samples, key, duration - span, duration)
+        grew = "-" if key == "rss_mib" else "yes" if late_max > early_max else "no"
         rows.append(
             f"| {key} | {first:.1f} {unit} | {half:.1f} {unit} | {last:.1f} {unit} | {growth} | "
-            f"{late} | {idle[0][key]:.1f} | {idle[1][key]:.1f} |"
+            f"{late} | {early_max:.1f} | {late_max:.1f} | {grew} | {idle[0][key]:.1f} | "
+            f"{idle[1][key]:.1f} |"
         )
     return "\n".join(rows)
 
@@ -439,15 +508,20 @@ def plot(run: Run, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(3, 1, sharex=True, figsize=(9, 7))
+    figure, axes = plt.subplots(4, 1, sharex=True, figsize=(9, 9))
     minutes = [s["t"] / 60 for s in run.samples]
-    for axis, (key, label) in zip(
-        axes,
-        (("rss_mib", "RSS (MiB)"), ("fds", "open fds"), ("tasks", "asyncio tasks")),
-        strict=True,
-    ):
-        axis.plot(minutes, [s[key] for s in run.samples], linewidth=0.8)
-        axis.set_ylabel(label)
+    panels = (
+        (("rss_mib", "RSS (MiB)"),),
+        (("fds", "open fds"),),
+        (("tasks", "asyncio tasks"),),
+        (("upstream_conns", "to engines"), ("redis_conns", "to Redis")),
+    )
+    for axis, lines in zip(axes, panels, strict=True):
+        for key, label in lines:
+            axis.plot(minutes, [s[key] for s in run.samples], linewidth=0.8, label=label)
+        axis.set_ylabel(lines[0][1] if len(lines) == 1 else "connections")
+        if len(lines) > 1:
+            axis.legend(loc="upper right", fontsize="small")
         axis.set_ylim(bottom=0)
         axis.grid(alpha=0.3)
     axes[-1].set_xlabel("minutes")
@@ -468,8 +542,7 @@ async def soak(
     with gateway(config, port) as proc:
         # Idle samples through a client of their own: the load's keep-alive pool (its size set
         # by the run's peak concurrency) is closed by then and not counted as the gateway's fds.
-        async with client_for(url) as idle_client:
-            before = await sample(idle_client, proc.pid, time.monotonic(), ports)
+        before = await idle_sample(url, proc.pid, time.monotonic(), ports)
         async with client_for(url) as client:
             origin = time.monotonic()  # one clock for requests, faults and samples
             watcher = asyncio.create_task(
@@ -485,9 +558,11 @@ async def soak(
                     await chaos
                 with contextlib.suppress(asyncio.CancelledError):
                     await watcher
-        await asyncio.sleep(3)  # the gateway sees the closed connections and ends their tasks
-        async with client_for(url) as idle_client:
-            after = await sample(idle_client, proc.pid, origin, ports)
+        # The gateway ends the closed connections' tasks and closes its idle pooled ones.
+        await asyncio.sleep(args.settle)
+        after = await idle_sample(url, proc.pid, origin, ports)
+        async with client_for(url) as metrics_client:
+            run.redis_summary = redis_summary((await metrics_client.get("/metrics")).text)
     return run, (before, after)
 
 
@@ -533,7 +608,7 @@ async def main_async(args: argparse.Namespace) -> tuple[str, int]:
         f"Soak: {args.duration:g} s at {args.rate:g} req/s, {len(run.samples)} samples every "
         f"{args.sample_every:g} s; generator lag p99 "
         f"{lag[int(0.99 * (len(lag) - 1))] if lag else 0:.3f} s.\n\n"
-        f"{growth_rows(run, args.duration, idle)}\n\n{outcomes}\n\n"
+        f"{growth_rows(run, args.duration, idle)}\n\n{run.redis_summary}\n\n{outcomes}\n\n"
         f"Lost requests: {lost}.\n"
     )
     return section, lost
@@ -547,6 +622,13 @@ def main() -> int:
     parser.add_argument("--step-seconds", type=float, default=20.0)
     parser.add_argument("--sample-every", type=float, default=10.0, help="seconds")
     parser.add_argument("--speed", type=float, default=4.0, help="simulator speed factor")
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=20.0,
+        help="seconds between the end of the load and the idle sample: longer than the "
+        "gateway's idle timeouts (engine connections 4 s, Redis 10 s, each checked every half)",
+    )
     parser.add_argument(
         "--plot",
         type=Path,

@@ -75,6 +75,8 @@ def build_store(config: StateConfig) -> MemoryStore | RedisStore:
             heartbeat_interval=config.heartbeat_interval,
             snapshot_interval=config.snapshot_interval,
             stream_maxlen=config.stream_maxlen,
+            max_connections=config.max_connections,
+            idle_timeout=config.idle_timeout,
         )
     )
 

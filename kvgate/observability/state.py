@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from kvgate.routing.endpoints import Fleet
 from kvgate.state.memory import MemoryStore
+from kvgate.state.redis_link import DURATION_BOUNDS
 from kvgate.state.redis_store import RedisStore
 
 
@@ -19,7 +20,9 @@ class StateCollector(Collector):
         self.store = store
         self.fleet = fleet
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def collect(
+        self,
+    ) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
         yield GaugeMetricFamily(
             "kvgate_state_replicas",
             "Live gateway replicas sharing state, this one included.",
@@ -40,6 +43,23 @@ class StateCollector(Collector):
             "kvgate_state_redis_connected",
             "1 while the Redis link's breakers are closed.",
             value=1 if self.store.connected else 0,
+        )
+        yield GaugeMetricFamily(
+            "kvgate_state_redis_connections",
+            "Connections the Redis link's pool holds, idle or in use (the stream reader's "
+            "one not included).",
+            value=self.store.link.pool.open_connections,
+        )
+        cumulative, buckets = 0, []
+        for bound, count in zip((*DURATION_BOUNDS, float("inf")), link.durations, strict=True):
+            cumulative += count
+            buckets.append((str(bound) if bound != float("inf") else "+Inf", cumulative))
+        yield HistogramMetricFamily(
+            "kvgate_state_redis_call_seconds",
+            "Duration of Redis calls on the link (quota calls and background writes; failed "
+            "ones included), as the gateway's event loop saw it.",
+            buckets=buckets,
+            sum_value=link.duration_sum,
         )
         for name, value, help_text in (
             ("kvgate_state_deltas_published", stats.published, "Deltas sent to Redis."),

@@ -72,15 +72,32 @@ class RedisStoreSettings:
     stream_maxlen: int = 100_000
     max_pending: int = 50_000
     read_block: float = 0.5
+    max_connections: int = 32
+    idle_timeout: float = 10.0
+
+
+# Idle connections kept open past `idle_timeout`: enough for the background loops' steady
+# traffic and a trickle of quota calls, so a quiet gateway does not reconnect for each.
+_KEEP_IDLE = 2
 
 
 class RedisStore:
     def __init__(self, settings: RedisStoreSettings) -> None:
         self.settings = settings
         self.replica_id = uuid.uuid4().hex[:12]
-        self.link = RedisLink(settings.url, settings.op_timeout)
+        self.link = RedisLink(
+            settings.url,
+            settings.op_timeout,
+            max_connections=settings.max_connections,
+            keep_idle=_KEEP_IDLE,
+        )
+        # Only the read loop uses it, one blocking read at a time.
         self.reader = RedisLink(
-            settings.url, settings.op_timeout, blocking_read=settings.read_block
+            settings.url,
+            settings.op_timeout,
+            max_connections=1,
+            keep_idle=1,
+            blocking_read=settings.read_block,
         )
         self.link.on_recovered = self._schedule_resync
         self.reader.on_recovered = self._schedule_resync
@@ -103,6 +120,7 @@ class RedisStore:
             (OwnedTask("kvgate-state-heartbeat"), self._heartbeat_loop),
             (OwnedTask("kvgate-state-load"), self._load_loop),
             (OwnedTask("kvgate-state-snapshot"), self._snapshot_loop),
+            (OwnedTask("kvgate-state-idle"), self._close_idle_loop),
         ]
 
     def _key(self, *parts: str) -> str:
@@ -309,6 +327,12 @@ class RedisStore:
                 return (await pipe.execute())[-1]
 
         return {p.decode() for p in await self.link.call(beat)}
+
+    async def _close_idle_loop(self) -> None:
+        """Connections idle for `idle_timeout` are closed within half of it more."""
+        while True:
+            await asyncio.sleep(self.settings.idle_timeout / 2)
+            await self.link.close_idle(self.settings.idle_timeout)
 
     async def _snapshot_loop(self) -> None:
         interval = self.settings.snapshot_interval

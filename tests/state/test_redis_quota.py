@@ -17,7 +17,9 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _store(url: str, replicas: int = 1) -> RedisQuotaStore:
-    return RedisQuotaStore(RedisLink(url, timeout=0.5), "q", lambda: replicas)
+    return RedisQuotaStore(
+        RedisLink(url, timeout=0.5, max_connections=32, keep_idle=2), "q", lambda: replicas
+    )
 
 
 async def _hammer(url: str, limits: QuotaLimits, seconds: float) -> int:

@@ -109,3 +109,41 @@ async def test_a_refused_connection_is_connect_failed(transport):
         port = bound.getsockname()[1]
         with pytest.raises(ConnectFailed):
             await transport.open(f"http://127.0.0.1:{port}/v1/chat/completions", HEADERS, b"{}")
+
+
+def _established_to(port: int) -> int:
+    """This process's established TCP connections whose remote port is `port`."""
+    count = 0
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        with open(table) as rows:
+            for row in list(rows)[1:]:
+                fields = row.split()
+                if fields[3] == "01" and int(fields[2].rsplit(":", 1)[1], 16) == port:
+                    count += 1
+    return count
+
+
+async def test_connections_a_burst_left_idle_are_closed_after_keepalive_expiry(upstream):
+    app, server = upstream
+    app.script = Script(chunks=3, gap=0.05)
+    transport = UpstreamTransport(UpstreamConfig(keepalive_expiry=0.5), connect_timeout=5)
+    port = int(server.url.rsplit(":", 1)[1])
+
+    async def one() -> None:
+        response = await transport.open(server.url + "/v1/chat/completions", HEADERS, chat(True))
+        try:
+            await response.read()
+        finally:
+            response.close()
+
+    try:
+        await asyncio.gather(*(one() for _ in range(20)))
+        assert _established_to(port) > 1  # the burst's connections are pooled
+        # Sooner than the server closes idle connections itself (uvicorn: 5 s), so only the
+        # transport's expiry can close them in time.
+        deadline = asyncio.get_running_loop().time() + 3
+        while _established_to(port) > 0:
+            assert asyncio.get_running_loop().time() < deadline, "idle connections stayed open"
+            await asyncio.sleep(0.1)
+    finally:
+        await transport.aclose()
