@@ -3,6 +3,7 @@ the Redis restart, sampling) ends with 0 lost requests and readable leak figures
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,8 @@ def test_a_short_soak_runs_every_phase_and_loses_nothing():
     assert "capacity 4 req/s; soak at 2 req/s" in out
     assert "redis" in out and "crash_after_tokens" in out  # the restart and the faults ran
     assert "Lost requests: 0." in out
+    # The Redis link's figures come from the gateway's call-duration histogram.
+    assert re.search(r"^Redis link: [1-9][0-9]* calls;", out, re.MULTILINE), out[-3000:]
     # The task count comes from the gateway's kvgate_process_asyncio_tasks gauge (-1: unread).
     for name in ("rss_mib", "fds", "tasks"):
         idle_before, idle_after = (float(cell) for cell in _row(out, name)[6:8])
