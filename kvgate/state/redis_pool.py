@@ -38,8 +38,9 @@ class IdleClosingPool(aioredis.BlockingConnectionPool):
         """Close and forget the idle connections last used more than `idle_for` seconds ago,
         except the `keep_idle` most recently used; returns how many were closed."""
         cutoff = time.monotonic() - idle_for
-        # The idle list is a stack (the newest release on top), so the oldest come first.
-        # Taken out before any await, so no caller can be handed one while it closes.
+        # redis-py's idle list (a private attribute, the same in redis-py 5 to 8) is a stack:
+        # the newest release on top, so the oldest come first. Taken out before any await, so
+        # no caller can be handed one while it closes.
         idle = self._available_connections
         spare = idle[: max(0, len(idle) - self.keep_idle)]
         stale = [c for c in spare if self._released_at.get(c, 0.0) < cutoff]
