@@ -216,10 +216,11 @@ class StateConfig(_Strict):
     heartbeat_interval: float = Field(0.5, gt=0)
     snapshot_interval: float = Field(10.0, gt=0)
     stream_maxlen: int = Field(100_000, gt=0)
-    # Connections to Redis per process (plus one for the stream reader). By Little's law a
-    # process needs (Redis calls per second) x (seconds per call): about 1,000 quota calls/s
-    # (one per request at one process's measured ceiling) x 6.6 ms (a call's p99.9 on the
-    # busy 2-core test host) = 7 at once, plus the few background loops; 32 leaves 4x headroom.
+    # Connections to Redis per process (plus one for the stream reader). By Little's law the
+    # connections busy at once are calls per second x seconds per call: 1,000 quota calls/s
+    # (one per request at one process's measured ceiling) x 25 ms (a call's p99.9 as the
+    # gateway saw it on the shared 2-core test host) = 25, so even if every call were that
+    # slow a process at its ceiling would not wait; 32 also covers the background loops.
     # When all are busy a call waits for one within op_timeout, then falls back.
     max_connections: int = Field(32, ge=1)
     # Seconds a connection may sit idle before it is closed (two are always kept).
