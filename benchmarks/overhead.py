@@ -673,27 +673,43 @@ def exporter_cpu_line(runs: Iterable[Run]) -> str:
     return "Of which in the exporter process (CPU ms/req): " + ", ".join(cells) + "."
 
 
-def tracing_report(
-    settings: Settings, exporter: str, ratio: float, rows: dict[str, list[Run]]
-) -> str:
+def side_by_side(
+    settings: Settings, lead: str, rows: dict[str, list[Run]], before: str, after: str
+) -> tuple[list[Run], list[str]]:
+    """The runs of `rows`, and the head of a report on two kvgates side by side: `lead`, the
+    method, and each row's `before` → `after` comparison."""
     s = settings
     runs = [r for mode_runs in rows.values() for r in mode_runs]
-    parts = [
-        f"Tracing on (exporter {exporter}, sample_ratio {ratio:g}) beside tracing off; target: "
-        f"tracing adds < {TRACING_TARGET:.0%} of kvgate's added latency. Poisson arrivals; "
-        f"{s.duration:g} s measured per target per row ({s.rounds} ABBA rounds, {s.warmup:g} s "
-        f"warm-up each, discarded); stream = {s.chunks} events {s.gap_ms:g} ms apart + [DONE]. "
-        "All figures in ms; off → on (share of off). CPU ms/req counts the gateway process "
-        "and its trace exporter process (the exporter's part on the last line).",
-        comparison_lines(runs, KVGATE, KVGATE_TRACED),
-        exporter_cpu_line(runs),
+    method = (
+        f"Poisson arrivals; {s.duration:g} s measured per target per row ({s.rounds} ABBA "
+        f"rounds, {s.warmup:g} s warm-up each, discarded); stream = {s.chunks} events "
+        f"{s.gap_ms:g} ms apart + [DONE]."
+    )
+    return runs, [f"{lead} {method}", comparison_lines(runs, before, after)]
+
+
+def tables(rows: dict[str, list[Run]], runs: list[Run]) -> list[str]:
+    """The non-streaming and streaming tables and the failures, as report parts."""
+    return [
         "### Non-streaming",
         unary_table(rows["unary"]),
         "### Streaming",
         stream_table(rows["stream"]),
         failure_kinds(runs),
     ]
-    return "\n\n".join(parts) + "\n"
+
+
+def tracing_report(
+    settings: Settings, exporter: str, ratio: float, rows: dict[str, list[Run]]
+) -> str:
+    lead = (
+        f"Tracing on (exporter {exporter}, sample_ratio {ratio:g}) beside tracing off; target: "
+        f"tracing adds < {TRACING_TARGET:.0%} of kvgate's added latency. All figures in ms; "
+        "off → on (share of off). CPU ms/req counts the gateway process and its trace "
+        "exporter process (the exporter's part on the last line)."
+    )
+    runs, head = side_by_side(settings, lead, rows, KVGATE, KVGATE_TRACED)
+    return "\n\n".join([*head, exporter_cpu_line(runs), *tables(rows, runs)]) + "\n"
 
 
 @contextmanager
@@ -712,22 +728,12 @@ def baseline_gateways(tmp: Path, upstream_url: str, baseline: Path) -> Iterator[
 
 
 def baseline_report(settings: Settings, baseline: Path, rows: dict[str, list[Run]]) -> str:
-    s = settings
-    runs = [r for mode_runs in rows.values() for r in mode_runs]
-    parts = [
+    lead = (
         f"This tree's kvgate beside the kvgate of `{baseline}` (the code without the lever). "
-        f"Poisson arrivals; {s.duration:g} s measured per target per row ({s.rounds} ABBA "
-        f"rounds, {s.warmup:g} s warm-up each, discarded); stream = {s.chunks} events "
-        f"{s.gap_ms:g} ms apart + [DONE]. All figures in ms; baseline → this tree (share of "
-        "baseline).",
-        comparison_lines(runs, KVGATE_BASELINE, KVGATE),
-        "### Non-streaming",
-        unary_table(rows["unary"]),
-        "### Streaming",
-        stream_table(rows["stream"]),
-        failure_kinds(runs),
-    ]
-    return "\n\n".join(parts) + "\n"
+        "All figures in ms; baseline → this tree (share of baseline)."
+    )
+    runs, head = side_by_side(settings, lead, rows, KVGATE_BASELINE, KVGATE)
+    return "\n\n".join([*head, *tables(rows, runs)]) + "\n"
 
 
 @contextmanager
