@@ -119,7 +119,10 @@ class GatewayApp:
         self.access_log = AccessLog(enabled=config.server.access_log)
         # None unless `observability.tracing` (or OTEL_*) turns tracing on.
         self.tracing = build_tracing(
-            config.observability.tracing, span_exporter, self.metrics.trace_spans_dropped.inc
+            config.observability.tracing,
+            span_exporter,
+            self.metrics.trace_spans_dropped.inc,
+            self.metrics.trace_exporter_restarts.inc,
         )
         self.tenants = TenantDirectory(config.auth, config.tiers)
         self.classifier = Classifier(config.classification)

@@ -1,7 +1,8 @@
 """The gateway's side of the trace exporter process: finished request traces go, as `marshal`ed
 records, down a pipe to a child process that builds the SDK spans and runs the official
 exporters (kvgate/observability/span_export_child.py), so that neither span building nor
-protobuf encoding holds this process's GIL while it serves.
+protobuf encoding holds this process's GIL while it serves. A child that dies is started
+again, as service supervisors do, after a wait that grows while it keeps dying.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 import marshal
 import os
 import sys
+import time
 from collections.abc import Callable
 from contextlib import suppress
 from struct import Struct
@@ -23,6 +25,10 @@ log = logging.getLogger("kvgate.tracing")
 
 # Each record on the pipe: its length (4 bytes, little-endian), then the marshalled record.
 FRAME = Struct("<I")
+# What the exporter process writes back on its second pipe after each batch it handed to the
+# exporters: how many spans it has handled since it started (8 bytes, little-endian). Spans
+# sent to a process that dies and not acknowledged are the ones it took with it.
+ACK = Struct("<Q")
 # Records wait this long in the gateway to go down the pipe together (one write, one wake-up
 # of the exporter process, per batch rather than per request).
 FLUSH_SECONDS = 0.1
@@ -33,81 +39,175 @@ MAX_BUFFERED_BYTES = 8 * 2**20
 PIPE_BYTES = 2**20
 # How long shutdown waits for the exporter process to export what it was sent and exit.
 STOP_SECONDS = 30.0
+# A dead exporter process is started again after a wait that doubles with each death in a
+# row, from 1 s up to 60 s: one that keeps dying (it cannot start, it runs out of memory)
+# costs at most one start a minute. One that lived at least the longest wait starts again
+# after the first.
+RESTART_FIRST_SECONDS = 1.0
+RESTART_MAX_SECONDS = 60.0
 _CHILD = "kvgate.observability.span_export_child"
 
 
+class _Acks(asyncio.Protocol):
+    """Reads one exporter process's acknowledgements; `spans` is the latest total."""
+
+    def __init__(self) -> None:
+        self.spans = 0
+        self._partial = b""
+        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def data_received(self, data: bytes) -> None:
+        received = self._partial + data
+        whole = len(received) - len(received) % ACK.size
+        if whole:
+            (self.spans,) = ACK.unpack_from(received, whole - ACK.size)
+        self._partial = received[whole:]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+
 class ExporterProcess:
-    """Sends each finished trace to one exporter child process; `send` never blocks. Traces
-    that find the buffer full (the exporter falls behind) or the child gone are dropped and
-    their spans counted through `on_dropped`. `settings` is the child's (see
-    span_export_child.py); `max_buffered_bytes` bounds what may wait. Start and stop on the
-    event loop that calls `send`."""
+    """Sends each finished trace to an exporter child process and keeps one running; `send`
+    never blocks. `settings` is the child's (see span_export_child.py).
+
+    Dropped, their spans counted through `on_dropped`: traces that find the buffer full
+    (`max_buffered_bytes`: the exporter falls behind, or is being restarted), and the spans a
+    child that died had been sent and had not acknowledged. A child that dies is started again
+    after a wait of `backoff[0]` seconds, doubled with each death in a row up to `backoff[1]`
+    (a child that lived at least `backoff[1]` counts as a first death); the traces that wait
+    meanwhile go to the new child, and `on_restarted` is told of each start after the first.
+    Start and stop on the event loop that calls `send`."""
 
     def __init__(
         self,
         settings: dict[str, object],
         on_dropped: Callable[[int], None],
+        on_restarted: Callable[[], None] = lambda: None,
         max_buffered_bytes: int = MAX_BUFFERED_BYTES,
+        backoff: tuple[float, float] = (RESTART_FIRST_SECONDS, RESTART_MAX_SECONDS),
     ) -> None:
         self.settings = settings
         self._on_dropped = on_dropped
+        self._on_restarted = on_restarted
         self._max_buffered = max_buffered_bytes
+        self._backoff = backoff
         self._transport: asyncio.WriteTransport | None = None
         self._process: asyncio.subprocess.Process | None = None
-        self._exit_watch: asyncio.Future[int] | None = None
-        self._stopping = False
+        self._acks: _Acks | None = None
+        self._started_at = 0.0
+        self._sent_spans = 0  # to the current child
+        self._supervisor: asyncio.Task[None] | None = None
+        self._stop_requested = asyncio.Event()
         self._pending: list[bytes] = []
         self._pending_bytes = 0
         self._pending_spans = 0
         self._flush_at: asyncio.TimerHandle | None = None
         self.dropped = 0
+        self.restarts = 0
 
     async def start(self) -> None:
-        """Start the child process, its stdin a pipe from this one."""
+        """Start the child process, and keep one running until `stop`."""
+        await self._spawn()
+        self._supervisor = asyncio.get_running_loop().create_task(self._supervise())
+
+    async def _spawn(self) -> None:
         # The pipe is made here, not by asyncio: its size can then be set under any event loop.
         read_end, write_end = os.pipe()
         with suppress(OSError):  # a bigger pipe: fewer partial writes; the default still works
             fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+        ack_read, ack_write = os.pipe()
         try:
-            self._process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", _CHILD, json.dumps(self.settings), stdin=read_end
+            process = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                _CHILD,
+                json.dumps(self.settings),
+                str(ack_write),
+                stdin=read_end,
+                pass_fds=(ack_write,),
             )
         except BaseException:
             os.close(write_end)
+            os.close(ack_read)
             raise
         finally:
             os.close(read_end)
+            os.close(ack_write)
+        self._process = process
+        self._sent_spans = 0
+        self._started_at = time.monotonic()
         loop = asyncio.get_running_loop()
         pipe = os.fdopen(write_end, "wb", buffering=0)
         self._transport, _ = await loop.connect_write_pipe(asyncio.BaseProtocol, pipe)
-        self._exit_watch = asyncio.ensure_future(self._process.wait())
-        self._exit_watch.add_done_callback(self._exited)
+        _, self._acks = await loop.connect_read_pipe(_Acks, os.fdopen(ack_read, "rb", buffering=0))
 
     @property
     def pid(self) -> int | None:
         """The exporter process's id, once started."""
         return None if self._process is None else self._process.pid
 
-    def _exited(self, wait: asyncio.Future[int]) -> None:
-        if not self._stopping and not wait.cancelled():
+    async def _supervise(self) -> None:
+        """Wait for the child to end; unless stopping, start another after the backoff."""
+        first, longest = self._backoff
+        delay = 0.0
+        while True:
+            lived, code, lost = await self._until_the_child_ends()
+            if self._stop_requested.is_set():
+                return
+            delay = first if not delay or lived >= longest else min(2 * delay, longest)
             assert self._process is not None
             log.error(
-                "trace exporter process (pid %d) exited (%s): traces are dropped from now on",
+                "trace exporter process (pid %d) exited (%s), %d spans it held dropped: "
+                "restart %d in %g s",
                 self._process.pid,
-                wait.result(),
+                code,
+                lost,
+                self.restarts + 1,
+                delay,
             )
-            if self._transport is not None:
-                self._transport.close()
+            while True:
+                with suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop_requested.wait(), delay)
+                if self._stop_requested.is_set():
+                    return
+                try:
+                    await self._spawn()
+                    break
+                except OSError as error:
+                    delay = min(2 * delay, longest)
+                    log.error("trace exporter process not started (%s): next in %g s", error, delay)
+            self.restarts += 1
+            self._on_restarted()
+            self._flush()
+            if self._stop_requested.is_set():  # `stop` came while it was starting
+                self._close_input()
+
+    async def _until_the_child_ends(self) -> tuple[float, int, int]:
+        """The child's exit: how long it ran, its exit code, and how many spans it was sent
+        and did not acknowledge (dropped)."""
+        assert self._process is not None and self._acks is not None
+        code = await self._process.wait()
+        await self._acks.closed  # every acknowledgement it wrote has been read
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+        lost = self._sent_spans - self._acks.spans
+        if lost > 0:
+            self._drop(lost)
+        return time.monotonic() - self._started_at, code, lost
 
     def send(self, record: TraceRecord) -> None:
-        transport = self._transport
         spans = len(record[3])
-        if transport is None or transport.is_closing():
+        if self._stop_requested.is_set():
             self._drop(spans)
             return
         data = marshal.dumps(record)
         size = FRAME.size + len(data)
-        if self._pending_bytes + transport.get_write_buffer_size() + size > self._max_buffered:
+        transport = self._transport
+        queued = 0 if transport is None else transport.get_write_buffer_size()
+        if self._pending_bytes + queued + size > self._max_buffered:
             self._drop(spans)
             return
         self._pending += (FRAME.pack(len(data)), data)
@@ -121,31 +221,40 @@ class ExporterProcess:
         self._on_dropped(spans)
 
     def _flush(self) -> None:
-        self._flush_at = None
-        pending, spans = self._pending, self._pending_spans
-        self._pending, self._pending_bytes, self._pending_spans = [], 0, 0
+        """Hand what waits to the child's pipe; with no child to take it (one is being
+        restarted), it waits for the next."""
+        if self._flush_at is not None:
+            self._flush_at.cancel()
+            self._flush_at = None
         transport = self._transport
-        if transport is None or transport.is_closing():
-            if spans:
-                self._drop(spans)
+        if not self._pending or transport is None or transport.is_closing():
             return
-        transport.writelines(pending)
+        transport.writelines(self._pending)
+        self._sent_spans += self._pending_spans
+        self._pending, self._pending_bytes, self._pending_spans = [], 0, 0
+
+    def _close_input(self) -> None:
+        """Send what waits and close the pipe: the child exports it all and exits."""
+        self._flush()
+        if self._transport is not None:
+            self._transport.close()  # the pipe closes once what is buffered is written
 
     async def stop(self) -> None:
         """Send what waits, close the pipe, and wait (up to STOP_SECONDS) for the child to
-        export everything it was sent and exit; a child that does not is killed."""
-        self._stopping = True
-        if self._flush_at is not None:
-            self._flush_at.cancel()
-        self._flush()
-        process = self._process
-        if process is None or self._exit_watch is None:
+        export everything it was sent and exit; a child that does not is killed. Stopped while
+        waiting to restart a child, it drops (and counts) what waits."""
+        self._stop_requested.set()
+        supervisor = self._supervisor
+        if supervisor is None:
             return
-        assert self._transport is not None
-        self._transport.close()  # the pipe closes once what is buffered is written
+        self._close_input()
         try:
-            await asyncio.wait_for(asyncio.shield(self._exit_watch), STOP_SECONDS)
+            await asyncio.wait_for(asyncio.shield(supervisor), STOP_SECONDS)
         except TimeoutError:
             log.error("trace exporter process did not exit in %.0f s: killed", STOP_SECONDS)
-            process.kill()
-            await self._exit_watch
+            if self._process is not None and self._process.returncode is None:
+                self._process.kill()
+            await supervisor
+        if self._pending_spans:
+            self._drop(self._pending_spans)
+            self._pending, self._pending_bytes, self._pending_spans = [], 0, 0

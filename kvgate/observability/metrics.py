@@ -107,7 +107,12 @@ class GatewayMetrics:
         self.trace_spans_dropped = Counter(
             "kvgate_trace_spans_dropped",
             "Spans of traced requests dropped because the trace exporter process fell behind "
-            "(or is gone).",
+            "(or died).",
+            registry=self.registry,
+        )
+        self.trace_exporter_restarts = Counter(
+            "kvgate_trace_exporter_restarts",
+            "Trace exporter processes started again after the one before died.",
             registry=self.registry,
         )
         self.admission = AdmissionMetrics(self.registry, self.tenant_labels)

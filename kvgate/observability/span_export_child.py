@@ -2,9 +2,11 @@
 kvgate/observability/exporter_process.py), builds the OpenTelemetry SDK spans they stand for
 and exports them with the official exporters, in batches of up to 512 spans: whatever has
 arrived is exported as soon as the pipe has nothing more to read. At end of input (the gateway
-stopped, or died) it exports what it holds, shuts the exporters down and exits.
+stopped, or died) it exports what it holds, shuts the exporters down and exits. After each
+batch it writes how many spans it has handled so far to ACK_FD (a pipe back to the gateway,
+which counts what a process that died took with it).
 
-    python -m kvgate.observability.span_export_child SETTINGS_JSON
+    python -m kvgate.observability.span_export_child SETTINGS_JSON ACK_FD
 
 SETTINGS_JSON: {"exporters": ["otlp" | "console", ...], "endpoint": URL or null,
 "resource": {attribute: value}, "schema_url": str, "version": kvgate's version}. The OTLP
@@ -20,12 +22,13 @@ import os
 import select
 import signal
 import sys
+from contextlib import suppress
 
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter
 
-from kvgate.observability.exporter_process import FRAME
+from kvgate.observability.exporter_process import ACK, FRAME
 from kvgate.observability.span_records import readable_spans, scope
 from kvgate.observability.tracing import span_exporter
 
@@ -36,7 +39,7 @@ _READ_BYTES = 1 << 20
 NICE = 10
 
 
-def main(settings: dict[str, object]) -> None:
+def main(settings: dict[str, object], ack_fd: int) -> None:
     # Ctrl-C, or a service manager's SIGTERM, may reach the whole process group: the gateway
     # ends this process by closing the pipe once everything is sent (or by dying).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -44,6 +47,7 @@ def main(settings: dict[str, object]) -> None:
     # Export is background work: on busy cores the gateway serving requests goes first (what
     # cannot keep up is dropped and counted by the gateway).
     os.nice(NICE)
+    os.set_inheritable(ack_fd, False)  # whatever an exporter may start must not hold it open
     endpoint = settings["endpoint"]
     assert endpoint is None or isinstance(endpoint, str)
     names = settings["exporters"]
@@ -56,9 +60,11 @@ def main(settings: dict[str, object]) -> None:
     stdin = sys.stdin.fileno()
     received = bytearray()
     spans: list[ReadableSpan] = []
+    handled = _Handled(ack_fd)
     while True:
         if spans and not select.select([stdin], [], [], 0)[0]:
             _export(exporters, spans)
+            handled.add(len(spans))
             spans = []
             continue
         chunk = os.read(stdin, _READ_BYTES)
@@ -77,10 +83,25 @@ def main(settings: dict[str, object]) -> None:
         del received[:offset]
         while len(spans) >= MAX_BATCH:
             _export(exporters, spans[:MAX_BATCH])
+            handled.add(MAX_BATCH)
             del spans[:MAX_BATCH]
     _export(exporters, spans)
+    handled.add(len(spans))
     for exporter in exporters:
         exporter.shutdown()
+
+
+class _Handled:
+    """The spans handed to the exporters so far, acknowledged to the gateway as they grow."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self.spans = 0
+
+    def add(self, spans: int) -> None:
+        self.spans += spans
+        with suppress(OSError):  # the gateway is gone: nobody to tell
+            os.write(self._fd, ACK.pack(self.spans))
 
 
 def _export(exporters: list[SpanExporter], spans: list[ReadableSpan]) -> None:
@@ -94,4 +115,4 @@ def _export(exporters: list[SpanExporter], spans: list[ReadableSpan]) -> None:
 
 
 if __name__ == "__main__":
-    main(json.loads(sys.argv[1]))
+    main(json.loads(sys.argv[1]), int(sys.argv[2]))

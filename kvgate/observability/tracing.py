@@ -33,6 +33,7 @@ def build_tracing(
     config: TracingConfig,
     exporter: SpanExporter | None = None,
     on_dropped: Callable[[int], None] = lambda spans: None,
+    on_restarted: Callable[[], None] = lambda: None,
 ) -> GatewayTracing | None:
     """The tracing of one app, or None when tracing is off.
 
@@ -47,8 +48,9 @@ def build_tracing(
     $OTEL_RESOURCE_ATTRIBUTES and $OTEL_SERVICE_NAME, service name `kvgate` when neither
     names one.
 
-    The configured exporters run in an exporter process (started by `GatewayTracing.open`);
-    `on_dropped` is told of spans dropped because it fell behind. `exporter`, when given,
+    The configured exporters run in an exporter process (started by `GatewayTracing.open`,
+    started again when it dies); `on_dropped` is told of spans dropped because it fell behind
+    or died, `on_restarted` of each restart. `exporter`, when given,
     receives every request's spans in this process, in place of the configured exporters,
     as soon as the request ends (tests read spans in memory); it is unused when tracing is
     off. Raises ConfigError for an exporter or protocol kvgate does not support."""
@@ -70,7 +72,8 @@ def build_tracing(
         "schema_url": resource.schema_url,
         "version": __version__,
     }
-    return GatewayTracing(ExporterProcess(settings, on_dropped), ratio, resource)
+    export = ExporterProcess(settings, on_dropped, on_restarted)
+    return GatewayTracing(export, ratio, resource)
 
 
 class InProcessExport:

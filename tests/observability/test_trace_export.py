@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
+import httpx
 import pytest
 import uvloop
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
@@ -25,7 +28,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from kvgate import __version__
 from kvgate.app import GatewayApp
 from kvgate.config import parse_config
-from kvgate.observability.exporter_process import ExporterProcess
+from kvgate.observability.exporter_process import FLUSH_SECONDS, ExporterProcess
 from kvgate.observability.span_records import (
     NEW_TRACE_FLAGS,
     SAMPLED,
@@ -36,6 +39,7 @@ from kvgate.observability.span_records import (
 )
 from kvgate.sim import EngineOptions, SimFleet
 from tests.conftest import gateway_config
+from tests.metrics_text import sample_value
 from tests.otlp_collector import OtlpCollector
 from tests.sdk_clients import sdk_client
 from tests.servers import ServerThread
@@ -180,24 +184,109 @@ def test_a_stalled_exporter_process_drops_and_counts_what_does_not_fit_then_deli
     assert len(set(numbers)) * 2 == len(received)
 
 
-def test_traces_sent_after_the_exporter_process_died_are_dropped_counted_and_logged(caplog):
+async def _until(condition: Callable[[], object]) -> None:
+    """Wait for `condition`, 30 s at most (a loaded machine may take seconds to start a
+    process)."""
+    deadline = time.monotonic() + 30
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+def test_a_killed_exporter_process_is_restarted_and_the_traces_sent_meanwhile_arrive(caplog):
+    """What the dead process had been sent and not exported is dropped and counted; what was
+    sent while it was down goes to the next one; stopping after the restart flushes."""
     dropped: list[int] = []
+    restarted: list[int] = []
+
+    async def scenario(endpoint: str) -> tuple[int, int | None, int]:
+        export = ExporterProcess(
+            _settings(endpoint), dropped.append, lambda: restarted.append(1), backoff=(0.2, 1.0)
+        )
+        await export.start()
+        first = export.pid
+        assert first is not None
+        os.kill(first, signal.SIGSTOP)  # it exports nothing of what follows
+        for number in range(5):
+            export.send(_trace(number))
+        await asyncio.sleep(2 * FLUSH_SECONDS)  # after the flush timer set by the first send
+        os.kill(first, signal.SIGKILL)
+        await _until(lambda: export.dropped)  # the gateway saw it die
+        for number in range(5, 10):  # they wait for the next process
+            export.send(_trace(number))
+        await _until(lambda: restarted)
+        for number in range(10, 15):
+            export.send(_trace(number))
+        await export.stop()
+        return first, export.pid, export.restarts
+
+    with OtlpCollector() as collector:
+        first, second, restarts = asyncio.run(scenario(collector.endpoint))
+        received = collector.spans
+    assert second != first and restarts == 1 and restarted == [1]
+    assert dropped == [10]  # the five traces the killed process held, two spans each
+    assert sorted(s.attributes[0].value.int_value for s in received) == [
+        n for n in range(5, 15) for _ in range(2)
+    ]
+    deaths = [r for r in caplog.records if "exited" in r.getMessage()]
+    assert len(deaths) == 1 and deaths[0].levelname == "ERROR"
+    assert deaths[0].getMessage() == (
+        f"trace exporter process (pid {first}) exited (-9), 10 spans it held dropped: "
+        "restart 1 in 0.2 s"
+    )
+
+
+def test_an_exporter_process_that_keeps_dying_is_restarted_ever_more_slowly(caplog):
+    """Each death in a row doubles the wait before the next start, up to the longest; one
+    that lived at least the longest wait is started again after the first."""
+    kills: list[float] = []
+    restarts: list[float] = []
+
+    async def kill_and_wait_for_the_next(export: ExporterProcess) -> None:
+        assert export.pid is not None
+        kills.append(time.monotonic())
+        os.kill(export.pid, signal.SIGKILL)
+        await _until(lambda: len(restarts) == len(kills))
 
     async def scenario() -> None:
-        export = ExporterProcess(_settings("http://127.0.0.1:9/v1/traces"), dropped.append)
+        export = ExporterProcess(
+            _settings("http://127.0.0.1:9/v1/traces"),
+            lambda spans: None,
+            lambda: restarts.append(time.monotonic()),
+            backoff=(0.1, 0.8),
+        )
         await export.start()
-        assert export.pid is not None
-        os.kill(export.pid, signal.SIGKILL)
-        for _ in range(200):  # until the gateway has seen it go
-            await asyncio.sleep(0.02)
-            export.send(_trace(0))
-            if dropped:
-                break
+        for _ in range(5):  # killed as soon as it is up
+            await kill_and_wait_for_the_next(export)
+        await asyncio.sleep(1.0)  # this one outlives the longest wait
+        await kill_and_wait_for_the_next(export)
         await export.stop()
 
     asyncio.run(scenario())
-    assert dropped and set(dropped) == {2}
-    assert "trace exporter process" in caplog.text and "dropped from now on" in caplog.text
+    delays = [float(d) for d in re.findall(r"restart \d+ in ([\d.]+) s", caplog.text)]
+    assert delays == [0.1, 0.2, 0.4, 0.8, 0.8, 0.1]
+    assert all(r - k >= d for k, r, d in zip(kills, restarts, delays, strict=True))
+
+
+def test_stopping_while_a_restart_waits_drops_and_counts_what_waits(caplog):
+    dropped: list[int] = []
+
+    async def scenario() -> ExporterProcess:
+        export = ExporterProcess(
+            _settings("http://127.0.0.1:9/v1/traces"), dropped.append, backoff=(600.0, 600.0)
+        )
+        await export.start()
+        assert export.pid is not None
+        os.kill(export.pid, signal.SIGKILL)
+        await _until(lambda: "exited" in caplog.text)
+        for number in range(3):
+            export.send(_trace(number))
+        await asyncio.wait_for(export.stop(), 30)  # not the ten minutes of the wait
+        export.send(_trace(3))
+        return export
+
+    export = asyncio.run(scenario())
+    assert export.restarts == 0 and sum(dropped) == export.dropped == 8
 
 
 @pytest.fixture
@@ -261,3 +350,53 @@ def test_a_gateway_exporting_otlp_sends_each_requests_spans_through_its_exporter
     attempt = spans["chat sim-model"]
     received = fleet.engines[0].stats()["last_request"]["headers"]["traceparent"]
     assert received == f"00-{TRACE:032x}-{attempt.span_id.hex()}-01"
+
+
+def test_a_gateway_whose_exporter_process_is_killed_starts_another_and_its_traces_arrive(
+    fleet, caplog
+):
+    with OtlpCollector() as collector:
+        tracing = {"exporter": "otlp", "endpoint": collector.endpoint}
+        config = gateway_config(
+            fleet.urls,
+            pool={"models": ["sim-model"]},
+            auth="none",
+            observability={"tracing": tracing},
+        )
+        app = GatewayApp(parse_config(config))
+        assert app.tracing is not None
+        export = app.tracing.export
+        assert isinstance(export, ExporterProcess)
+        with ServerThread(app) as server:
+            client = sdk_client(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+            def ask(trace_id: int) -> None:
+                client.chat.completions.create(
+                    model="sim-model",
+                    max_tokens=3,
+                    messages=[{"role": "user", "content": "hello"}],
+                    extra_headers={"traceparent": f"00-{trace_id:032x}-{CLIENT_SPAN:016x}-01"},
+                )
+
+            def wait_for(condition: Callable[[], object]) -> None:
+                deadline = time.monotonic() + 30
+                while not condition():
+                    assert time.monotonic() < deadline, "condition not met in time"
+                    time.sleep(0.01)
+
+            def spans_of(trace_id: int) -> int:
+                wanted = trace_id.to_bytes(16, "big")
+                return sum(s.trace_id == wanted for s in collector.spans)
+
+            ask(TRACE)
+            wait_for(lambda: spans_of(TRACE) == 6)
+            killed = export.pid
+            assert killed is not None
+            os.kill(killed, signal.SIGKILL)
+            wait_for(lambda: "exited" in caplog.text)  # the gateway saw it die
+            ask(TRACE + 1)
+            wait_for(lambda: spans_of(TRACE + 1) == 6)
+            assert export.pid != killed
+            metrics = httpx.get(server.url + "/metrics").text
+    assert sample_value(metrics, "kvgate_trace_exporter_restarts_total") == 1
+    assert sample_value(metrics, "kvgate_trace_spans_dropped_total") == export.dropped
