@@ -25,6 +25,7 @@ class _Streak:
     failures: int = 0
     successes: int = 0
     probed: bool = False
+    judged_at: float | None = None  # when the previous probe's result was counted
 
 
 class HealthMonitor:
@@ -34,8 +35,9 @@ class HealthMonitor:
 
     As Envoy: an endpoint turns unhealthy after `unhealthy_threshold` failed probes in a row
     and healthy after `healthy_threshold` good ones; the first probe of an endpoint decides
-    alone. Passive evidence wins: an endpoint where an attempt succeeded within the last probe
-    interval (plus the probe timeout) is not marked unhealthy, however its probes fare."""
+    alone. Passive evidence wins: an endpoint where an attempt succeeded since the previous
+    probe's result, or within the last probe interval plus the probe timeout when that reaches
+    further back, is not marked unhealthy, however its probes fare."""
 
     def __init__(
         self,
@@ -75,6 +77,8 @@ class HealthMonitor:
         streak = self._streaks.setdefault(endpoint.name, _Streak())
         first = not streak.probed
         streak.probed = True
+        now = time.monotonic() if now is None else now
+        previous, streak.judged_at = streak.judged_at, now
         if ok:
             streak.successes, streak.failures = streak.successes + 1, 0
         else:
@@ -82,7 +86,7 @@ class HealthMonitor:
         if endpoint.healthy:
             if ok or (not first and streak.failures < self.config.unhealthy_threshold):
                 return False
-            if self._serving(endpoint, time.monotonic() if now is None else now):
+            if self._serving(endpoint, now, previous):
                 return False
         elif not ok or (not first and streak.successes < self.config.healthy_threshold):
             return False
@@ -98,9 +102,15 @@ class HealthMonitor:
             self.on_recovered(endpoint)
         return True
 
-    def _serving(self, endpoint: Endpoint, now: float) -> bool:
-        """Passive evidence: an attempt succeeded there since about the previous probe."""
-        return now - endpoint.last_success < self.config.interval + self.config.timeout
+    def _serving(self, endpoint: Endpoint, now: float, previous: float | None) -> bool:
+        """Passive evidence: an attempt succeeded there since about the previous probe. A
+        gateway too busy to probe on time (its event loop starved of CPU) probes less often
+        than `interval`; counting from the previous result keeps its own delay from being
+        taken for the engine's silence."""
+        since = now - self.config.interval - self.config.timeout
+        if previous is not None:
+            since = min(since, previous)
+        return endpoint.last_success > since
 
     async def _get_ok(self, endpoint: Endpoint, path: str) -> bytes | None:
         headers = {"authorization": endpoint.auth_header.decode()} if endpoint.auth_header else {}
