@@ -31,7 +31,7 @@ def _chat(question: str, **extra: Any) -> dict[str, Any]:
     }
 
 
-def _wait(predicate, timeout: float = 10.0) -> None:
+def _wait(predicate, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, "condition not met in time"
@@ -134,16 +134,20 @@ class MetricsUpstream:
 
 @pytest.mark.parametrize("policy", ["local", "exclude"])
 def test_endpoint_whose_metrics_stop_answering_follows_the_stale_policy(start_gateway, policy):
+    """Scraped every 0.1 s, stale after 2 s: an endpoint goes stale only when its scrapes fail,
+    never because a loaded machine ran one cycle of the scraper late (a cycle is the interval
+    plus at most the 0.5 s scrape timeout; with 3 intervals, 0.3 s, the answering endpoint went
+    stale too and `exclude` left no endpoint at all)."""
     engines = [MetricsUpstream(), MetricsUpstream()]
     with ServerThread(engines[0]) as a, ServerThread(engines[1]) as b:
-        app, server = start_gateway(
-            gateway_config([a.url, b.url], routing={"scrape_interval": 0.1, "stale_policy": policy})
-        )
+        routing = {"scrape_interval": 0.1, "stale_after_intervals": 20, "stale_policy": policy}
+        app, server = start_gateway(gateway_config([a.url, b.url], routing=routing))
+        assert app.config.routing.stale_after > 3 * (0.1 + app.config.routing.scrape_timeout)
         body = {"model": "m1", "messages": [{"role": "user", "content": SYSTEM}]}
 
         def route() -> str:
             response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=10)
-            assert response.status_code == 200
+            assert response.status_code == 200, response.text
             return response.headers["x-kvgate-endpoint"]
 
         home = route()
