@@ -353,7 +353,7 @@ def test_a_gateway_exporting_otlp_sends_each_requests_spans_through_its_exporter
 
 
 def test_a_gateway_whose_exporter_process_is_killed_starts_another_and_its_traces_arrive(
-    fleet, caplog
+    fleet, event_loop_kind, caplog
 ):
     with OtlpCollector() as collector:
         tracing = {"exporter": "otlp", "endpoint": collector.endpoint}
@@ -368,6 +368,7 @@ def test_a_gateway_whose_exporter_process_is_killed_starts_another_and_its_trace
         export = app.tracing.export
         assert isinstance(export, ExporterProcess)
         with ServerThread(app) as server:
+            assert type(server.loop).__module__.split(".")[0] == event_loop_kind
             client = sdk_client(base_url=server.url + "/v1", api_key="none", max_retries=0)
 
             def ask(trace_id: int) -> None:
