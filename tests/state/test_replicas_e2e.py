@@ -17,18 +17,25 @@ import pytest
 import yaml
 
 from kvgate.sim import EngineOptions, SimFleet
+from tests.metrics_text import sample_value
 from tests.redis_server import RedisServer
 from tests.sdk_clients import sdk_client
 from tests.test_cli import _free_port, _stop, _wait_ready
 
 pytestmark = pytest.mark.timeout(180)
 
+FALLBACKS = "kvgate_quota_local_fallbacks_total"
 SECRET = "s3cret-for-tests"
 KEY = f"load-1.{SECRET}"
 
 
 def _config(
-    path: Path, urls: list[str], port: int, redis_url: str | None, rpm: int | None = None
+    path: Path,
+    urls: list[str],
+    port: int,
+    redis_url: str | None,
+    rpm: int | None = None,
+    op_timeout: float = 0.5,
 ) -> Path:
     tenant: dict[str, object] = {
         "name": "load",
@@ -54,7 +61,7 @@ def _config(
             "backend": "redis",
             "url": redis_url,
             "heartbeat_interval": 0.2,
-            "op_timeout": 0.5,
+            "op_timeout": op_timeout,
         }
     path.write_text(yaml.safe_dump(config))
     return path
@@ -64,13 +71,19 @@ class Gateways:
     """`count` kvgate processes over the same fleet, each on its own port."""
 
     def __init__(
-        self, tmp: Path, urls: list[str], count: int, redis_url: str | None, rpm: int | None = None
+        self,
+        tmp: Path,
+        urls: list[str],
+        count: int,
+        redis_url: str | None,
+        rpm: int | None = None,
+        op_timeout: float = 0.5,
     ) -> None:
         self.bases: list[str] = []
         self.procs: list[subprocess.Popen[bytes]] = []
         for i in range(count):
             port = _free_port()
-            config = _config(tmp / f"gw{i}.yaml", urls, port, redis_url, rpm)
+            config = _config(tmp / f"gw{i}.yaml", urls, port, redis_url, rpm, op_timeout)
             self.procs.append(
                 subprocess.Popen(
                     [
@@ -161,9 +174,14 @@ def test_three_replicas_keep_the_prefix_hit_rate_of_one(tmp_path, redis):
 
 
 def test_quota_is_exact_across_three_replicas(tmp_path, redis):
+    """Every reservation goes through the shared bucket: at most the limit plus what it refilled
+    while the requests ran. A Redis call that takes longer than `op_timeout` falls back to this
+    replica's local share (docs/redis.md), which admits outside the shared count; on a loaded
+    machine the gateway's own event loop can be that late, so the timeout here is generous and
+    each fallback that still happened widens the bounds by one request."""
     rpm = 30
     with _fleet() as fleet:
-        gateways = Gateways(tmp_path, list(fleet.urls), 3, redis.url, rpm=rpm)
+        gateways = Gateways(tmp_path, list(fleet.urls), 3, redis.url, rpm=rpm, op_timeout=5.0)
         try:
             started = time.monotonic()
             statuses: list[int] = []
@@ -183,11 +201,15 @@ def test_quota_is_exact_across_three_replicas(tmp_path, redis):
             with concurrent.futures.ThreadPoolExecutor(12) as pool:
                 statuses = list(pool.map(call, range(90)))
             elapsed = time.monotonic() - started
+            fallbacks = sum(
+                sample_value(httpx.get(base + "/metrics").text, FALLBACKS) or 0
+                for base in gateways.bases
+            )
         finally:
             gateways.stop()
     accepted = statuses.count(200)
     assert set(statuses) <= {200, 429}
-    assert rpm <= accepted <= (rpm + rpm / 60 * elapsed) * 1.01
+    assert rpm - fallbacks <= accepted <= (rpm + rpm / 60 * elapsed) * 1.01 + fallbacks
 
 
 def test_killing_redis_under_load_fails_no_request(tmp_path, redis):
