@@ -288,8 +288,18 @@ class GatewayApp:
                 return
 
     async def _inference(self, route: str, scope: Scope, receive: Receive, send: Send) -> None:
+        # The body and the parsed payload live in the context alone (not in this frame, which
+        # lasts as long as the request), so the context can let go of them (release_prompt).
+        ctx = await self._ingress(route, scope, receive, send)
+        if ctx is not None:
+            await self.chain.handle(ctx, receive, send)
+
+    async def _ingress(
+        self, route: str, scope: Scope, receive: Receive, send: Send
+    ) -> RequestContext | None:
         """Ingress: every client input (method, body, schema, option headers) is checked here,
-        before any stage takes quota, a queue place or an engine."""
+        before any stage takes quota, a queue place or an engine. None: the request was
+        refused (and answered) or its client left."""
         started = time.perf_counter()
         headers = scope["headers"]
         try:
@@ -312,7 +322,7 @@ class GatewayApp:
                 started=started,
             )
         except ClientGone:
-            return
+            return None
         except KvgateError as error:
             request_id = request_id_from(headers)
             extra = [(REQUEST_ID, request_id.encode())]
@@ -321,8 +331,8 @@ class GatewayApp:
             await send_error(send, error, extra)
             self.metrics.observe_rejected(route, error.status, str(error.code))
             self.access_log.rejected(request_id, route, error)
-            return
-        await self.chain.handle(ctx, receive, send)
+            return None
+        return ctx
 
     def _local_load(self) -> dict[str, ReplicaLoad]:
         return {e.name: ReplicaLoad(e.inflight, e.prefill_tokens) for e in self.fleet.endpoints}

@@ -207,6 +207,23 @@ class GatewayBug(KvgateError):
         return None  # as OpenAI's own 500s
 
 
+def drop_tracebacks(error: BaseException) -> None:
+    """Unlink `error`, and every error it was raised from or while handling, from its
+    traceback. Call once the error is handled and only its fields are still needed: a traceback
+    holds the frames it passed through, and a frame that names the error (a local, an argument,
+    a closure) closes a reference cycle that keeps the whole request's state alive until the
+    cyclic garbage collector runs."""
+    pending: list[BaseException] = [error]
+    seen: set[int] = set()
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        current.__traceback__ = None
+        pending.extend(e for e in (current.__cause__, current.__context__) if e is not None)
+
+
 # Engines' error types that are already OpenAI's; others (vLLM's `BadRequestError`…) are
 # replaced by the type OpenAI uses for the status.
 _OPENAI_TYPES = frozenset(

@@ -94,6 +94,14 @@ class PromptView:
         self._pieces = pieces
         self._contents = contents
 
+    def release(self) -> None:
+        """Keep the token estimate, drop the payload and the text taken from it: `contents`,
+        `text` and `canonical` read empty from now on."""
+        self._tokens = self.prompt_tokens
+        self.payload = {}  # what the dropped fields are computed from again, if read
+        self._pieces = self._contents = None
+        self._canonical = self._text = None
+
     @property
     def contents(self) -> list[str]:
         """The prompt's text pieces: message contents, completion prompts, embedding inputs."""

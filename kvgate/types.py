@@ -26,7 +26,7 @@ def header_value(headers: Headers, name: bytes) -> bytes | None:
     return None
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, weakref_slot=True)
 class RequestContext:
     """One request on its way through the chain; each stage reads it and fills in its part.
 
@@ -91,6 +91,18 @@ class RequestContext:
     # nothing on the request path calls OpenTelemetry) or the request is not sampled.
     trace: RequestTrace | None = None
     _finishers: list[Callable[[RequestContext], None]] = field(default_factory=list)
+
+    def release_prompt(self) -> None:
+        """Drop the body, the parsed payload, the prompt view's text and the prompt's hashes
+        (for a long prompt, several copies of it) once nothing will send or route the request
+        again: a stream past its commit point that cannot be resumed. What settlement,
+        metrics, traces and the quota read stays (the token estimates, the prefix match's
+        counts, the usage). `payload` is empty and `body` is b"" from then on."""
+        self.body = b""
+        self.payload = {}
+        self.view.release()
+        if self.prefix is not None:
+            self.prefix.release_prompt()
 
     def on_finish(self, callback: Callable[[RequestContext], None]) -> None:
         self._finishers.append(callback)

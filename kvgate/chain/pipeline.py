@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from kvgate.asgi import Receive, Send, send_error
-from kvgate.errors import GatewayBug, KvgateError
+from kvgate.errors import GatewayBug, KvgateError, drop_tracebacks
 from kvgate.request_options import REQUEST_ID
 from kvgate.types import Forward, RequestContext, RequestTrace, Stage
 
@@ -81,6 +81,7 @@ class RequestChain:
             if ctx.outcome == "pending":
                 ctx.outcome = "ok"
         except KvgateError as error:
+            drop_tracebacks(error)
             await _answer_error(ctx, send, error)
         except asyncio.CancelledError:
             if ctx.client_gone:
@@ -92,8 +93,9 @@ class RequestChain:
                 await _answer_error(ctx, send, self._ending)
             else:
                 raise
-        except Exception:
+        except Exception as bug:
             log.exception("request %s failed inside the gateway", ctx.request_id)
+            drop_tracebacks(bug)
             await _answer_error(ctx, send, GatewayBug("internal gateway error"))
         finally:
             self._running.discard(task)

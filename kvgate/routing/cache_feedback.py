@@ -99,7 +99,7 @@ class CacheFeedback:
     def observe(self, ctx: RequestContext) -> None:
         """Learn from a finished request (called once, at settlement)."""
         prefix, endpoint = ctx.prefix, ctx.endpoint
-        if prefix is None or endpoint is None or ctx.resumes or not prefix.hashes:
+        if prefix is None or endpoint is None or ctx.resumes or not prefix.blocks:
             return
         cached = cached_tokens(ctx.usage)
         if cached is None or ctx.usage is None:
@@ -118,7 +118,7 @@ class CacheFeedback:
         per_block = prefix.tokens_per_block
         # The index sees only the prompt's first `max_blocks` blocks: an engine holding more of
         # a long prompt is right, not the index wrong, so only that span is compared.
-        covered = min(prefix.prompt_tokens, int(len(prefix.hashes) * per_block))
+        covered = min(prefix.prompt_tokens, int(prefix.blocks * per_block))
         predicted = min(covered, int(prefix.matched.get(name, 0) * per_block))
         if isinstance(prompt, int) and prefix.prompt_tokens:
             # The index's share of the prompt, in the engine's own tokens: the character-based

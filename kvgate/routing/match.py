@@ -46,14 +46,26 @@ class PrefixMatch:
     # When the decision was recorded (the index's clock, `time.monotonic()`).
     decided_at: float | None = None
     exact: ExactMatch | None = None
+    # len(hashes), kept when `release_prompt` drops the hashes.
+    blocks: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.blocks = len(self.hashes)
+
+    def release_prompt(self) -> None:
+        """Drop the prompt's hashes (and the block keys of precise mode): once the request is
+        routed for good, only the counts are read (`blocks`, `matched`, the token figures)."""
+        self.hashes = ()
+        if self.exact is not None:
+            self.exact.keys = {}
 
     def match_ratio(self, endpoint: str) -> float:
         exact = self.exact
         if exact is not None and endpoint in exact.held:
             return exact.held[endpoint] / exact.prompt_tokens if exact.prompt_tokens else 0.0
-        if not self.hashes:
+        if not self.blocks:
             return 0.0
-        return self.matched.get(endpoint, 0) / len(self.hashes)
+        return self.matched.get(endpoint, 0) / self.blocks
 
     def held_blocks(self, endpoint: str) -> float:
         """How much of the prompt `endpoint` holds, in the approximate index's blocks."""

@@ -55,11 +55,11 @@ class Throttled(Exception):
     """The pool's client-side throttle rejected the attempt before it was sent."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Request:
     url: str
     headers: Headers
-    body: bytes
+    body: bytes  # b"" once sent: a retry or a resume builds a request of its own
     connect_timeout: float
 
 
@@ -78,11 +78,12 @@ class AttemptRelay:
         self,
         ctx: RequestContext,
         endpoint: Endpoint,
-        body: bytes,
         send: Send,
         limits: RequestTimeouts,
         transcript: StreamTranscript | None,
+        body: bytes | None = None,
     ) -> None:
+        """`body`: what to send instead of `ctx.body` (a resume's continuation)."""
         record = self.resilience.begin(endpoint)
         if record is None:
             raise Throttled
@@ -96,7 +97,7 @@ class AttemptRelay:
                 endpoint.auth_header,
                 None if span is None else span.headers(),
             ),
-            body,
+            ctx.body if body is None else body,
             limits.connect,
         )
         loop = asyncio.get_running_loop()
@@ -155,6 +156,7 @@ class AttemptRelay:
                 )
         except (TimeoutError, TransportError) as failure:
             raise attempt_failure(failure, phase) from None
+        request.body = b""
         try:
             yield response
         finally:
@@ -243,6 +245,8 @@ class AttemptRelay:
                         await _send_body(send, first)
                     else:
                         await _commit(ctx, send, first)
+                        if transcript is None:  # no retry or resume can need the prompt now
+                            ctx.release_prompt()
                     phase = "stall"
                     record_gap = self.resilience.observer.token_gap_recorder(ctx.route)
                     relayed_at = time.perf_counter()

@@ -18,7 +18,7 @@ import asyncio
 
 from kvgate.asgi import Send
 from kvgate.config import TimeoutsConfig
-from kvgate.errors import KvgateError, Overloaded, UpstreamFailed
+from kvgate.errors import KvgateError, Overloaded, UpstreamFailed, drop_tracebacks
 from kvgate.routing.endpoints import Endpoint
 from kvgate.routing.router import EndpointPicker
 from kvgate.types import RequestContext
@@ -80,7 +80,7 @@ class Forwarder:
         try:
             while True:
                 try:
-                    await self.relay.run(ctx, endpoint, ctx.body, send, limits, transcript)
+                    await self.relay.run(ctx, endpoint, send, limits, transcript)
                     return
                 except StreamBroken as broken:
                     tried.append(endpoint)
@@ -99,6 +99,7 @@ class Forwarder:
                     raise self._final(last_error) from None
                 except KvgateError as error:
                     tried.append(endpoint)
+                    drop_tracebacks(error)  # kept for its fields while the next attempt runs
                     last_error = error
                     if holding_retry:
                         budget.release()
@@ -234,12 +235,12 @@ class Forwarder:
         child is the attempt) when tracing is on."""
         span = None if ctx.trace is None else ctx.trace.span("kvgate.resume")
         if span is None:
-            await self.relay.run(ctx, endpoint, body, send, limits, transcript)
+            await self.relay.run(ctx, endpoint, send, limits, transcript, body)
             return
         span.set("kvgate.resume", ctx.resumes)
         span.set("kvgate.resume.relayed_tokens", transcript.content_events)
         try:
-            await self.relay.run(ctx, endpoint, body, send, limits, transcript)
+            await self.relay.run(ctx, endpoint, send, limits, transcript, body)
         except StreamBroken as broken:
             span.end(str(broken.error.code))
             raise

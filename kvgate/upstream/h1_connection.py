@@ -65,7 +65,7 @@ class H1Connection(asyncio.Protocol):
         "_buffered",
         "_chunks",
         "_complete",
-        "_error",
+        "_failure",
         "_framed",
         "_head",
         "_informational",
@@ -104,7 +104,10 @@ class H1Connection(asyncio.Protocol):
         self._framed = False
         self._complete = False
         self._keep_alive = False
-        self._error: TransportError | None = None
+        # Why the exchange failed. Each reader gets a new ConnectionLost with it: an exception
+        # kept here once raised would hold, through its traceback, the frames of the request
+        # that read it (a reference cycle with this connection in it).
+        self._failure: str | None = None
         self.status = 0
         self.headers: dict[str, str] = {}
 
@@ -127,21 +130,21 @@ class H1Connection(asyncio.Protocol):
         self._chunks.clear()
         self._buffered = 0
         self._complete = self._keep_alive = self._framed = self._informational = False
-        self._error = None
+        self._failure = None
         self.status = 0
         self.headers = {}
         self._head = asyncio.get_running_loop().create_future()
         self._transport.writelines((head, body))
         await self._head
-        if self._error is not None and not self.status:
-            raise self._error
+        if self._failure is not None and not self.status:
+            raise ConnectionLost(self._failure)
 
     async def next_chunk(self) -> bytes | None:
         """The body bytes received since the last call (waiting for some if none), or None
         once the body is complete. Bytes that arrived before a failure come out first."""
         while not self._chunks:
-            if self._error is not None:
-                raise self._error
+            if self._failure is not None:
+                raise ConnectionLost(self._failure)
             if self._complete:
                 return None
             self._waiter = asyncio.get_running_loop().create_future()
@@ -161,9 +164,9 @@ class H1Connection(asyncio.Protocol):
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    def _fail(self, error: TransportError) -> None:
-        if self._error is None and not self._complete:
-            self._error = error
+    def _fail(self, reason: str) -> None:
+        if self._failure is None and not self._complete:
+            self._failure = reason
         self._wake()
 
     # asyncio.Protocol
@@ -176,11 +179,11 @@ class H1Connection(asyncio.Protocol):
         if self._parser is not None and self.status and not self._framed:
             self._complete = True  # a body without length or chunking ends with the connection
         elif self.status:
-            self._fail(ConnectionLost("the engine's answer was cut short"))
+            self._fail("the engine's answer was cut short")
         elif isinstance(exc, OSError) and exc.strerror:
-            self._fail(ConnectionLost(exc.strerror.lower()))
+            self._fail(exc.strerror.lower())
         else:
-            self._fail(ConnectionLost("the engine closed the connection"))
+            self._fail("the engine closed the connection")
         self._wake()
         self._on_closed(self)
 
@@ -191,7 +194,7 @@ class H1Connection(asyncio.Protocol):
         try:
             self._parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade):
-            self._fail(ConnectionLost("the engine's answer is not valid HTTP/1.1"))
+            self._fail("the engine's answer is not valid HTTP/1.1")
             self.close()
             return
         if self._buffered > _HIGH_WATER and not self._paused and self._transport is not None:
