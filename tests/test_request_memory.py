@@ -106,6 +106,12 @@ SCENARIOS = {
     "stream resumed": Scenario(
         lambda url: _broken_streams(url, 2), pool={"resume": True}, fault_first=CRASH
     ),
+    "resume refused by the other engine": Scenario(
+        lambda url: _broken_streams(url, 2),
+        pool={"resume": True},
+        fault_all={"mode": "http_error", "status": 503},
+        fault_first=CRASH,
+    ),
     "client gone mid-stream": Scenario(_leave_mid_stream),
     "client gone before the first token": Scenario(
         _leave_before_first_token, fault_all={"mode": "slow_first_token", "delay_ms": 5000}

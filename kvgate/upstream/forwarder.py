@@ -209,6 +209,7 @@ class Forwarder:
             except Throttled:
                 break
             except KvgateError as failure:
+                drop_tracebacks(failure)  # kept for its fields, as in `_forward`
                 error = failure
                 continue
             ctx.resume_overhead_tokens = transcript.overhead_tokens
