@@ -43,10 +43,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import datetime
 import hashlib
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -59,7 +59,6 @@ from pathlib import Path
 
 import httpx
 import orjson
-from faults import classify
 from services import (
     BENCH_DIR,
     PYTHON,
@@ -70,15 +69,14 @@ from services import (
     stop,
     wait_ready,
 )
+from soak_load import MODEL, START_MARGIN, Generated, Outcome, generate, lag_summary, percentile
 
 sys.path.insert(0, str(BENCH_DIR.parent))
 from tests.redis_server import RedisServer
 
-MODEL = "sim-model"
 ENGINES = 3
 FAULTED = 1  # the engine that gets the faults
 API_KEY = "sk-soak-9fQwz2LkP0"  # a whole-key (non-kvgate-form) key, configured by its SHA-256
-SYSTEMS = [f"You are assistant number {i}. Answer briefly and stay on topic." for i in range(4)]
 # (start, end) as fractions of the run, fault; the ones that must fail in-flight streams last.
 FAULTS: list[tuple[float, float, dict[str, object]]] = [
     (0.10, 0.15, {"mode": "reset_before_first_byte"}),
@@ -108,20 +106,10 @@ SAMPLED = (
 
 
 @dataclass
-class Outcome:
-    sent: float  # seconds since the start of the run
-    ended: float
-    kind: str  # stream | plain | drop
-    outcome: str  # complete | error | lost | disconnected
-    code: str = ""
-
-
-@dataclass
 class Run:
-    outcomes: list[Outcome] = field(default_factory=list)
+    load: Generated = field(default_factory=Generated)
     samples: list[dict[str, float]] = field(default_factory=list)
     must_fail_windows: list[tuple[float, float]] = field(default_factory=list)
-    lag: list[float] = field(default_factory=list)
     redis_summary: str = ""
 
 
@@ -167,103 +155,10 @@ def sim_fleet(speed: float) -> Iterator[list[str]]:
         stop(proc)
 
 
-def body_for(rng: random.Random, stream: bool, max_tokens: int) -> dict[str, object]:
-    system = rng.choice(SYSTEMS)
-    return {
-        "model": MODEL,
-        "stream": stream,
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-        "messages": [
-            {"role": "system", "content": system},
-            {"role": "user", "content": f"Question {rng.randrange(5000)}: tell me about rivers."},
-        ],
-    }
-
-
-def plain_outcome(status: int, body: bytes) -> tuple[str, str]:
-    try:
-        answer = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return "lost", ""
-    if status == 200:
-        return ("complete" if answer.get("choices") else "lost"), ""
-    error = answer.get("error") if isinstance(answer, dict) else None
-    if isinstance(error, dict) and set(error) == {"message", "type", "param", "code"}:
-        return "error", str(error["code"])
-    return "lost", ""
-
-
-def stream_code(body: bytes) -> str:
-    """The `code` of a stream's final error event."""
-    for event in reversed(body.split(b"\n\n")):
-        if event.startswith(b"data: {"):
-            with contextlib.suppress(orjson.JSONDecodeError, KeyError, TypeError):
-                return str(orjson.loads(event[6:])["error"]["code"])
-            return ""
-    return ""
-
-
-async def one(
-    client: httpx.AsyncClient, kind: str, body: dict[str, object], origin: float, sent: float
-) -> Outcome:
-    try:
-        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-            chunks = []
-            async for chunk in response.aiter_raw():
-                chunks.append(chunk)
-                if kind == "drop" and response.status_code == 200:
-                    return Outcome(sent, time.monotonic() - origin, kind, "disconnected")
-            raw = b"".join(chunks)
-            if kind == "plain":
-                outcome, code = plain_outcome(response.status_code, raw)
-            else:
-                outcome = classify(response.status_code, raw)[0]
-                code = stream_code(raw) if response.status_code == 200 else ""
-                if response.status_code != 200 and outcome == "error":
-                    code = plain_outcome(response.status_code, raw)[1]
-    except httpx.HTTPError as error:
-        return Outcome(sent, time.monotonic() - origin, kind, "lost", type(error).__name__)
-    return Outcome(sent, time.monotonic() - origin, kind, outcome, code)
-
-
-async def load(
-    client: httpx.AsyncClient,
-    rate: float,
-    seconds: float,
-    seed: int,
-    run: Run,
-    origin: float | None = None,
-) -> None:
-    """Open-loop Poisson arrivals for `seconds` from `origin` (a `time.monotonic()` value; now
-    by default); waits for every request to end."""
-    rng = random.Random(seed)
-    origin = time.monotonic() if origin is None else origin
-    pending: set[asyncio.Task[Outcome]] = set()
-
-    def done(task: asyncio.Task[Outcome]) -> None:
-        pending.discard(task)
-        run.outcomes.append(task.result())
-
-    at = rng.expovariate(rate)
-    while at < seconds:
-        await asyncio.sleep(max(0.0, origin + at - time.monotonic()))
-        run.lag.append(time.monotonic() - origin - at)
-        draw = rng.random()
-        kind = "stream" if draw < 0.6 else "plain" if draw < 0.85 else "drop"
-        body = body_for(rng, kind != "plain", rng.choice((16, 24, 32)))
-        task = asyncio.create_task(one(client, kind, body, origin, at))
-        pending.add(task)
-        task.add_done_callback(done)
-        at += rng.expovariate(rate)
-    if pending:
-        await asyncio.wait(set(pending))
-
-
 def client_for(url: str) -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=2000, max_keepalive_connections=200)
+    """The client of the samples and the idle figures (the load has its own, see soak_load)."""
     headers = {"authorization": f"Bearer {API_KEY}"}
-    return httpx.AsyncClient(base_url=url, timeout=60, limits=limits, headers=headers)
+    return httpx.AsyncClient(base_url=url, timeout=60, headers=headers)
 
 
 def latency_p99(outcomes: list[Outcome]) -> float:
@@ -271,8 +166,13 @@ def latency_p99(outcomes: list[Outcome]) -> float:
     return spans[min(len(spans) - 1, int(0.99 * len(spans)))] if spans else 0.0
 
 
+CAPACITY_HEADER = (
+    "| rate | sent | achieved/s | ok | latency p99 s | step s | generator lag p99 ms | holds |"
+)
+
+
 async def capacity(
-    urls: list[str], redis_url: str, steps: list[float], seconds: float, workdir: Path
+    urls: list[str], redis_url: str, steps: list[float], seconds: float, workdir: Path, workers: int
 ) -> tuple[float, list[str]]:
     """The highest step rate a fresh gateway holds (see the module docstring), and one line
     per step tried."""
@@ -280,26 +180,26 @@ async def capacity(
     config = workdir / "capacity.yaml"
     config.write_text(gateway_yaml(port, urls, redis_url))
     held, lines = 0.0, []
+    url = f"http://127.0.0.1:{port}"
     with gateway(config, port):
-        async with client_for(f"http://127.0.0.1:{port}") as client:
-            for step, rate in enumerate(steps):
-                run = Run()
-                started = time.monotonic()
-                await load(client, rate, seconds, 1000 + step, run)
-                elapsed = time.monotonic() - started
-                counts = Counter(o.outcome for o in run.outcomes)
-                ok = counts["complete"] + counts["disconnected"]
-                achieved = len(run.outcomes) / seconds
-                p99 = latency_p99(run.outcomes)
-                holds = ok == len(run.outcomes) and achieved >= 0.9 * rate and p99 < 2.0
-                lines.append(
-                    f"| {rate:g} | {len(run.outcomes)} | {achieved:.1f} | {ok} | {p99:.2f} | "
-                    f"{elapsed:.1f} | {'yes' if holds else 'no'} |"
-                )
-                print(lines[-1], flush=True)
-                if not holds:
-                    break
-                held = rate
+        for step, rate in enumerate(steps):
+            origin = time.monotonic() + START_MARGIN
+            load = await generate(url, API_KEY, rate, seconds, 1000 + step, origin, workers)
+            elapsed = time.monotonic() - origin
+            counts = Counter(o.outcome for o in load.outcomes)
+            ok = counts["complete"] + counts["disconnected"]
+            achieved = len(load.outcomes) / seconds
+            p99 = latency_p99(load.outcomes)
+            lag_p99 = 1000 * percentile(load.lag, 0.99)
+            holds = ok == len(load.outcomes) and achieved >= 0.9 * rate and p99 < 2.0
+            lines.append(
+                f"| {rate:g} | {len(load.outcomes)} | {achieved:.1f} | {ok} | {p99:.2f} | "
+                f"{elapsed:.1f} | {lag_p99:.1f} | {'yes' if holds else 'no'} |"
+            )
+            print(lines[-1], flush=True)
+            if not holds:
+                break
+            held = rate
     return held, lines
 
 
@@ -487,7 +387,7 @@ def outcome_rows(run: Run) -> tuple[str, int]:
     ]
     lost_total = 0
     for kind in ("stream", "plain", "drop"):
-        mine = [o for o in run.outcomes if o.kind == kind]
+        mine = [o for o in run.load.outcomes if o.kind == kind]
         counts = Counter(o.outcome for o in mine)
         faulted = sum(must_fail(o) for o in mine)
         other = counts["error"] - faulted
@@ -496,7 +396,9 @@ def outcome_rows(run: Run) -> tuple[str, int]:
             f"| {kind} | {len(mine)} | {counts['complete']} | {counts['disconnected']} | "
             f"{faulted} | {other} | {counts['lost']} |"
         )
-    codes = Counter(o.code or o.outcome for o in run.outcomes if o.outcome in ("error", "lost"))
+    codes = Counter(
+        o.code or o.outcome for o in run.load.outcomes if o.outcome in ("error", "lost")
+    )
     rows.append("")
     rows.append("Error codes: " + (", ".join(f"{c} {n}" for c, n in codes.items()) or "none"))
     return "\n".join(rows), lost_total
@@ -544,13 +446,16 @@ async def soak(
         # by the run's peak concurrency) is closed by then and not counted as the gateway's fds.
         before = await idle_sample(url, proc.pid, time.monotonic(), ports)
         async with client_for(url) as client:
-            origin = time.monotonic()  # one clock for requests, faults and samples
+            # One clock for requests, faults and samples (the workers' too: the system's).
+            origin = time.monotonic() + START_MARGIN
             watcher = asyncio.create_task(
                 sampler(client, proc.pid, origin, args.sample_every, ports, run)
             )
             chaos = asyncio.create_task(faults(urls, redis, args.duration, origin, run))
             try:
-                await load(client, args.rate, args.duration, 7, run, origin)
+                run.load = await generate(
+                    url, API_KEY, args.rate, args.duration, 7, origin, args.workers, live=True
+                )
             finally:
                 chaos.cancel()
                 watcher.cancel()
@@ -572,8 +477,10 @@ async def main_async(args: argparse.Namespace) -> tuple[str, int]:
         with sim_fleet(args.speed) as urls, tempfile.TemporaryDirectory() as tmp:
             workdir = Path(tmp)
             steps = [float(r) for r in args.capacity_steps.split(",")]
-            print("| rate | sent | achieved/s | ok | latency p99 s | step s | holds |", flush=True)
-            held, cap_lines = await capacity(urls, redis.url, steps, args.step_seconds, workdir)
+            print(CAPACITY_HEADER, flush=True)
+            held, cap_lines = await capacity(
+                urls, redis.url, steps, args.step_seconds, workdir, args.workers
+            )
             if args.rate is None:
                 if held == 0:
                     raise SystemExit("no capacity step held; lower --capacity-steps")
@@ -590,24 +497,25 @@ async def main_async(args: argparse.Namespace) -> tuple[str, int]:
                 {
                     "samples": run.samples,
                     "idle": idle,
+                    "lag_minutes": run.load.minutes,
                     "not_complete": [
-                        o.__dict__ for o in run.outcomes if o.outcome in ("error", "lost")
+                        dataclasses.asdict(o)
+                        for o in run.load.outcomes
+                        if o.outcome in ("error", "lost")
                     ],
                 }
             )
         )
     outcomes, lost = outcome_rows(run)
-    lag = sorted(run.lag)
-    cap_table = (
-        "| rate | sent | achieved/s | ok | latency p99 s | step s | holds |\n"
-        "|---|---|---|---|---|---|---|\n" + "\n".join(cap_lines)
-    )
+    cap_table = CAPACITY_HEADER + "\n|---|---|---|---|---|---|---|---|\n" + "\n".join(cap_lines)
+    per_minute = ", ".join(f"{1000 * m[3]:.0f}" for m in run.load.minutes)
     section = (
         f"Capacity ramp ({args.step_seconds:g} s per step, fresh gateway): "
         f"{held:g} req/s held.\n\n{cap_table}\n\n"
         f"Soak: {args.duration:g} s at {args.rate:g} req/s, {len(run.samples)} samples every "
-        f"{args.sample_every:g} s; generator lag p99 "
-        f"{lag[int(0.99 * (len(lag) - 1))] if lag else 0:.3f} s.\n\n"
+        f"{args.sample_every:g} s, load from {args.workers} worker processes; generator lag "
+        f"(actual minus intended send time) {lag_summary(run.load)}; p99 per minute (ms): "
+        f"{per_minute}.\n\n"
         f"{growth_rows(run, args.duration, idle)}\n\n{run.redis_summary}\n\n{outcomes}\n\n"
         f"Lost requests: {lost}.\n"
     )
@@ -622,6 +530,9 @@ def main() -> int:
     parser.add_argument("--step-seconds", type=float, default=20.0)
     parser.add_argument("--sample-every", type=float, default=10.0, help="seconds")
     parser.add_argument("--speed", type=float, default=4.0, help="simulator speed factor")
+    parser.add_argument(
+        "--workers", type=int, default=2, help="load generator processes (see soak_load.py)"
+    )
     parser.add_argument(
         "--settle",
         type=float,
