@@ -28,7 +28,9 @@ shorter run) to the end, as medians of a minute's samples (so in-flight requests
 it), and over the second half alone (a leak keeps growing; a high-water mark set by one peak
 of concurrency does not); the same for the other samples; for the counts (fds, tasks,
 connections) the verdict on growth: the maximum of the last 10 minutes (a sixth of a shorter
-run) against the maximum of minutes 5 to 15 after the warm-up; all again idle, before the load
+run) against the maximum of minutes 5 to 15 after the warm-up, both without the samples taken
+while a fault or the Redis restart was on or in the minute after (a stall holds requests and
+raises every count; that is no growth); all again idle, before the load
 and `--settle` seconds after it (longer than the gateway's idle timeouts for engine and Redis
 connections, so what is left is what it keeps); the Redis link's calls, failures, breaker
 openings, quota fallbacks and call durations (from the gateway's /metrics); outcomes per
@@ -220,6 +222,11 @@ async def set_fault(client: httpx.AsyncClient, url: str, fault: dict[str, object
         await client.post(url + "/sim/faults", json=fault)
 
 
+def redis_down(duration: float) -> float:
+    """Seconds Redis stays down at the restart: 1% of the run, 1 to 10 s."""
+    return min(10.0, max(1.0, duration / 100))
+
+
 async def faults(
     urls: list[str], redis: RedisServer, duration: float, origin: float, run: Run
 ) -> None:
@@ -238,7 +245,7 @@ async def faults(
             await asyncio.sleep(max(0.0, origin + at - time.monotonic()))
             if action == "redis":
                 redis.stop()
-                await asyncio.sleep(min(10.0, max(1.0, duration / 100)))
+                await asyncio.sleep(redis_down(duration))
                 await asyncio.to_thread(redis.start)
             else:
                 await set_fault(client, urls[FAULTED], fault)
@@ -368,23 +375,35 @@ def max_between(samples: list[dict[str, float]], key: str, start: float, end: fl
     return max(values) if values else float("nan")
 
 
+def faulted(t: float, duration: float) -> bool:
+    """Whether a sample at `t` falls while a fault or the Redis restart was on, or in the
+    drain after it (a minute in an hour's run): requests held by a stall or a slow first token
+    raise every count for as long, and such a peak is no growth."""
+    drain = min(60.0, duration / 20)
+    windows = [(start * duration, end * duration + drain) for start, end, _ in FAULTS]
+    restart = REDIS_RESTART_AT * duration
+    windows.append((restart, restart + redis_down(duration) + drain))
+    return any(start <= t <= end for start, end in windows)
+
+
 def growth_rows(run: Run, duration: float, idle: tuple[dict[str, float], dict[str, float]]) -> str:
     warm = min(300.0, duration / 4)
     window = min(60.0, duration / 8)
     span = min(600.0, duration / 6)
     rows = [
         "| measure | after warm-up | half way | at the end | growth | growth, second half | "
-        "max early | max last | grew | idle before | idle after |",
+        "max early, no fault | max last, no fault | grew | idle before | idle after |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    quiet = [s for s in run.samples if not faulted(s["t"], duration)]
     for key, unit in SAMPLED:
         first = median_between(run.samples, key, warm, warm + window)
         half = median_between(run.samples, key, duration / 2, duration / 2 + window)
         last = median_between(run.samples, key, duration - window, duration)
         growth = f"{100 * (last - first) / first:+.1f}%" if first else "-"
         late = f"{100 * (last - half) / half:+.1f}%" if half else "-"
-        early_max = max_between(run.samples, key, warm, warm + span)
-        late_max = max_between(run.samples, key, duration - span, duration)
+        early_max = max_between(quiet, key, warm, warm + span)
+        late_max = max_between(quiet, key, duration - span, duration)
         grew = "-" if key in MEMORY else "yes" if late_max > early_max else "no"
         rows.append(
             f"| {key} | {first:.1f} {unit} | {half:.1f} {unit} | {last:.1f} {unit} | {growth} | "
