@@ -1,6 +1,6 @@
 """`kvgate` with a thread that writes the process's allocator figures to a file, for the soak.
 
-    python benchmarks/heap_gauges.py FILE EVERY serve --config ...
+    python benchmarks/heap_gauges.py FILE EVERY FRAMES serve --config ...
 
 Every EVERY seconds it appends one JSON line to FILE: the live blocks of CPython's object
 allocator (`sys.getallocatedblocks()`: every object and buffer Python holds, small or large)
@@ -9,16 +9,23 @@ plus mmapped chunks) and bytes it holds free (`free`). RSS that rises while thes
 is memory the allocators keep after a peak (a high-water mark), not memory Python still uses;
 live blocks that keep rising are a leak. Reading them costs microseconds (no walk of the heap
 or of the objects), so the figures do not disturb the run they describe.
+
+FRAMES > 0 (a diagnosis, not a measurement: tracing slows every allocation): tracemalloc
+records that many frames per allocation, and each SIGUSR1 dumps a snapshot to FILE.<n>
+(n = 1, 2, ...), for `tracemalloc.Snapshot.load` and `compare_to`.
 """
 
 from __future__ import annotations
 
 import ctypes
+import signal
 import sys
 import threading
 import time
+import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 
 import orjson
 
@@ -50,12 +57,28 @@ def write_every(path: Path, every: float) -> None:
             time.sleep(every)
 
 
+def snapshot_on_signal(path: Path) -> None:
+    taken = 0
+
+    def dump(signum: int, frame: FrameType | None) -> None:
+        nonlocal taken
+        taken += 1
+        # Written aside and renamed: the reader waits for the name, then sees it whole.
+        tracemalloc.take_snapshot().dump(f"{path}.{taken}.part")
+        Path(f"{path}.{taken}.part").rename(f"{path}.{taken}")
+
+    signal.signal(signal.SIGUSR1, dump)
+
+
 def main() -> int:
-    path, every, argv = Path(sys.argv[1]), float(sys.argv[2]), sys.argv[3:]
+    path, every, frames = Path(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
+    if frames:
+        tracemalloc.start(frames)
+        snapshot_on_signal(path)
     threading.Thread(target=write_every, args=(path, every), daemon=True).start()
     from kvgate.cli import main as kvgate_main
 
-    return kvgate_main(argv)
+    return kvgate_main(sys.argv[4:])
 
 
 if __name__ == "__main__":

@@ -53,11 +53,13 @@ import dataclasses
 import datetime
 import hashlib
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import tracemalloc
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -123,6 +125,7 @@ class Run:
     samples: list[dict[str, float]] = field(default_factory=list)
     must_fail_windows: list[tuple[float, float]] = field(default_factory=list)
     redis_summary: str = ""
+    heap_growth: str = ""
 
 
 def gateway_yaml(port: int, urls: list[str], redis_url: str) -> str:
@@ -333,6 +336,40 @@ async def sampler(
         await asyncio.sleep(every)
 
 
+async def snapshot(pid: int, gauges: Path, number: int, at: float) -> None:
+    """At `at` (a `time.monotonic()` value), has the gateway dump tracemalloc snapshot
+    `number` (heap_gauges.py, SIGUSR1) and waits until it is written."""
+    await asyncio.sleep(max(0.0, at - time.monotonic()))
+    os.kill(pid, signal.SIGUSR1)
+    await asyncio.to_thread(wait_for, Path(f"{gauges}.{number}"))
+
+
+def wait_for(path: Path) -> None:
+    while not path.exists():
+        time.sleep(0.2)
+
+
+def heap_growth(gauges: Path, top: int = 12) -> str:
+    """The allocation sites whose live bytes grew most from the warm-up's snapshot to the idle
+    one after the load (in-flight requests are gone by then: what grew is kept)."""
+    before = tracemalloc.Snapshot.load(f"{gauges}.1")
+    after = tracemalloc.Snapshot.load(f"{gauges}.2")
+    changes = after.compare_to(before, "traceback")
+    total = sum(c.size_diff for c in changes)
+    lines = [f"tracemalloc, warm-up to idle after: {total / 2**20:+.2f} MiB in all; top sites:"]
+    for change in changes[:top]:
+        # The allocating frame first, then its callers ("<": called from).
+        frames = " < ".join(
+            f"{'/'.join(f.filename.rsplit('/', 2)[-2:])}:{f.lineno}"
+            for f in reversed(change.traceback)
+        )
+        lines.append(
+            f"- {change.size_diff / 1024:+.1f} KiB, {change.count_diff:+d} blocks "
+            f"(now {change.size / 1024:.1f} KiB): {frames}"
+        )
+    return "\n".join(lines)
+
+
 def redis_summary(metrics: str) -> str:
     """One line on the gateway's Redis link from its /metrics text: calls, failures, breaker
     openings, quota fallbacks, resyncs and call-duration quantiles (as bucket upper bounds)."""
@@ -386,8 +423,13 @@ def faulted(t: float, duration: float) -> bool:
     return any(start <= t <= end for start, end in windows)
 
 
+def warm_up(duration: float) -> float:
+    """Seconds of the run before growth is counted: 5 minutes, or a quarter of a shorter run."""
+    return min(300.0, duration / 4)
+
+
 def growth_rows(run: Run, duration: float, idle: tuple[dict[str, float], dict[str, float]]) -> str:
-    warm = min(300.0, duration / 4)
+    warm = warm_up(duration)
     window = min(60.0, duration / 8)
     span = min(600.0, duration / 6)
     rows = [
@@ -493,7 +535,8 @@ async def soak(
     ports = {"engines": {int(u.rsplit(":", 1)[1]) for u in urls}, "redis": {redis.port}}
     gauges = workdir / "heap.jsonl"
     # `kvgate serve` with the allocator gauges' thread (see heap_gauges.py).
-    serve = [str(BENCH_DIR / "heap_gauges.py"), str(gauges), "1", "serve", "--config", str(config)]
+    serve = [str(BENCH_DIR / "heap_gauges.py"), str(gauges), "1", str(args.tracemalloc)]
+    serve += ["serve", "--config", str(config)]
     with service([*serve, "--log-level", "warning"], port, "/readyz") as proc:
         # Idle samples through a client of their own: the load's connections (as many as the
         # run's peak concurrency) are closed by then and not counted as the gateway's fds.
@@ -505,6 +548,9 @@ async def soak(
                 sampler(client, proc.pid, origin, args.sample_every, ports, gauges, run)
             )
             chaos = asyncio.create_task(faults(urls, redis, args.duration, origin, run))
+            if args.tracemalloc:
+                warm = origin + warm_up(args.duration)
+                first = asyncio.create_task(snapshot(proc.pid, gauges, 1, warm))
             try:
                 run.load = await generate(
                     url, API_KEY, args.rate, args.duration, 7, origin, args.workers, live=True
@@ -519,6 +565,10 @@ async def soak(
         # The gateway ends the closed connections' tasks and closes its idle pooled ones.
         await asyncio.sleep(args.settle)
         after = await idle_sample(url, proc.pid, origin, ports, gauges)
+        if args.tracemalloc:
+            await first
+            await snapshot(proc.pid, gauges, 2, time.monotonic())
+            run.heap_growth = heap_growth(gauges)
         async with client_for(url) as metrics_client:
             run.redis_summary = redis_summary((await metrics_client.get("/metrics")).text)
     return run, (before, after)
@@ -569,7 +619,9 @@ async def main_async(args: argparse.Namespace) -> tuple[str, int]:
         f"{args.sample_every:g} s, load from {args.workers} worker processes; generator lag "
         f"(actual minus intended send time) {lag_summary(run.load)}; p99 per minute (ms): "
         f"{per_minute}.\n\n"
-        f"{growth_rows(run, args.duration, idle)}\n\n{run.redis_summary}\n\n{outcomes}\n\n"
+        f"{growth_rows(run, args.duration, idle)}\n\n"
+        + (f"{run.heap_growth}\n\n" if run.heap_growth else "")
+        + f"{run.redis_summary}\n\n{outcomes}\n\n"
         f"Lost requests: {lost}.\n"
     )
     return section, lost
@@ -600,6 +652,14 @@ def main() -> int:
         help="PNG of RSS, fds and tasks over time (needs the bench extra)",
     )
     parser.add_argument("--no-plot", dest="plot", action="store_const", const=None)
+    parser.add_argument(
+        "--tracemalloc",
+        type=int,
+        default=0,
+        metavar="FRAMES",
+        help="a diagnosis: trace the gateway's allocations (FRAMES deep; slows it) and report "
+        "the sites that grew from the warm-up to the idle sample after the load",
+    )
     parser.add_argument("--output", type=Path, help="append the results section to FILE")
     parser.add_argument(
         "--dump", type=Path, help="write the samples and every request not completed (JSON)"
