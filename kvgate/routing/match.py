@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -48,6 +49,8 @@ class PrefixMatch:
     exact: ExactMatch | None = None
     # len(hashes), kept when `release_prompt` drops the hashes.
     blocks: int = field(init=False)
+    # The index's `eviction_touch(endpoint, blocks)`: what recording blocks there pushes out.
+    eviction_touch_of: Callable[[str, int], float] | None = None
 
     def __post_init__(self) -> None:
         self.blocks = len(self.hashes)
@@ -93,3 +96,11 @@ class PrefixMatch:
     def uncached_tokens(self, endpoint: str) -> int:
         """Prompt tokens `endpoint` probably does not hold."""
         return self.uncached_by_endpoint([endpoint])[0]
+
+    def eviction_touch(self, endpoint: str) -> float:
+        """When the block that placing this prompt's uncached blocks on `endpoint` would
+        evict was last touched (-inf when they fit there, or without an index)."""
+        if self.eviction_touch_of is None:
+            return -math.inf
+        need = math.ceil(self.uncached_tokens(endpoint) / self.tokens_per_block)
+        return self.eviction_touch_of(endpoint, need)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import ClassVar, Protocol
+from typing import ClassVar, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -106,8 +106,16 @@ class LeastLoadedPicker:
 
 
 class MaxScoreParams(NoParams):
-    """`tie_margin`: scores within this of the best are near ties, decided by power of two
-    choices on load. Imbalance gate (after SGLang's cache-aware router): a candidate carrying
+    """`tie_margin`: scores within this of the best are near ties. `ties` decides them:
+    `eviction` (default) takes the near ties where the request's uncached blocks would push
+    out the least recently used blocks of the prefix index (an endpoint with room for them
+    first), then power of two choices on load among those still tied; `load` uses power of
+    two choices on load alone. Near ties are endpoints the predicted cost cannot tell apart
+    (no queue, the same held prefix), so the choice costs no time to first token; where the new
+    blocks land decides what the fleet forgets. A single LRU cache as large as the fleet
+    (what the prefix-hit ideal measures) evicts its globally oldest blocks, and placing each
+    new prefix where the oldest blocks are is how a fleet of separate caches does the same.
+    Imbalance gate (after SGLang's cache-aware router): a candidate carrying
     more than `imbalance_abs` requests above the least loaded one and more than
     `imbalance_rel` times its load is overloaded and is not picked; the others are picked by
     score as usual.
@@ -126,6 +134,7 @@ class MaxScoreParams(NoParams):
     hits (benchmarks/RESULTS.md). Set `imbalance_abs` near your engines' `max_num_seqs`."""
 
     tie_margin: float = Field(0.02, ge=0, le=1)
+    ties: Literal["eviction", "load"] = "eviction"
     imbalance_abs: float = Field(64, ge=0)
     imbalance_rel: float = Field(1.5, ge=1)
     seed: int | None = None
@@ -162,6 +171,11 @@ class MaxScorePicker:
         eligible = self.not_overloaded(loads)
         best = max(scores[i] for i in eligible)
         ties = [i for i in eligible if scores[i] >= best - self.params.tie_margin]
+        prefix = ctx.prefix
+        if len(ties) > 1 and self.params.ties == "eviction" and prefix is not None:
+            touched = [prefix.eviction_touch(candidates[i].name) for i in ties]
+            oldest = min(touched)
+            ties = [i for i, t in zip(ties, touched, strict=True) if t == oldest]
         if len(ties) == 1:
             return ties[0]
         first, second = self._rng.sample(ties, 2)

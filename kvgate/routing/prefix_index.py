@@ -200,6 +200,11 @@ class PrefixIndex:
             return None
         return blocks.deepest_touch(hashes, time.monotonic() if now is None else now)
 
+    def eviction_touch(self, endpoint: str, need: int) -> float:
+        """`EndpointBlocks.eviction_touch` of `endpoint` (`MISSING` for one never recorded)."""
+        blocks = self._blocks.get(endpoint)
+        return MISSING if blocks is None else blocks.eviction_touch(need)
+
     def forget_touched_until(self, endpoint: str, moment: float) -> None:
         """`endpoint`'s engine evicted a block last touched at `moment`: forget everything it
         was told at that time or before (an LRU evicts the oldest first)."""

@@ -283,6 +283,19 @@ class EndpointBlocks:
         held = self._keys_held(hashes, now)
         return float(self._entries[hashes[held - 1]]) if held else None
 
+    def eviction_touch(self, need: int) -> float:
+        """When the least recently touched block was last touched, if recording `need` more
+        blocks would push it out; `MISSING` (older than anything) when they fit. Placing a
+        new prefix where this is oldest evicts what a single LRU over the whole fleet would."""
+        if len(self) + need <= self.capacity:
+            return MISSING
+        entries = self._entries
+        displaced = self._displaced
+        while displaced and entries.get(displaced[0][1]) is not displaced[0][2]:
+            heappop(displaced)  # refreshed, replaced or evicted since
+        front = float(next(iter(entries.values()), MISSING))
+        return displaced[0][0] if displaced and displaced[0][0] < front else front
+
     def forget_touched_until(self, moment: float) -> None:
         """Drop every block last touched at `moment` or before: the engine evicted a block of
         that age, and an LRU evicts everything older first."""

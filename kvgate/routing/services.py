@@ -116,6 +116,7 @@ class RoutingServices:
             session=session,
             affinity=self.affinity.get(session) if session is not None else None,
             exact=self.precise.match(ctx) if self.precise is not None else None,
+            eviction_touch_of=self.index.eviction_touch,
         )
 
     def record_precise(self, prefix: PrefixMatch, endpoint: str) -> None:

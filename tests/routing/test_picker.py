@@ -3,6 +3,8 @@ affinity, explain, exclusions; and exactly-once load accounting per attempt."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from kvgate.errors import NotFound, Overloaded
@@ -319,3 +321,42 @@ def test_the_engine_queue_is_carried_forward_between_scrapes():
     e.first_token(streams[2])
     e.first_token(streams[2])  # counted once
     assert e.load().waiting == 0  # never below zero
+
+
+def _full_index(services, touched: dict[str, float], capacity: int = 40) -> None:
+    """Every endpoint's index entries full, each endpoint's blocks last touched when given."""
+    now = time.monotonic()
+    for n, (name, age) in enumerate(touched.items()):
+        services.index.set_capacity(name, capacity)
+        services.index.record(name, [1_000_000 * (n + 1) + i for i in range(capacity)], now - age)
+
+
+@pytest.mark.parametrize("ties", ["eviction", "load"])
+def test_a_new_prompt_goes_where_it_evicts_the_least_recently_used_blocks(ties):
+    """Near ties (idle, equally loaded endpoints, nobody holds the prompt) go where the new
+    blocks push out the oldest ones, as one LRU over the whole fleet would; `ties: load`
+    decides them by load alone."""
+    endpoints = [endpoint(name) for name in "abc"]
+    policy = build_policy(
+        {"objective": "latency", "picker": {"type": "max_score", "params": {"ties": ties}}}, "t"
+    )
+    picker, services = _picker(*endpoints, policy=policy)
+    prompts = [ctx(f"{i} " + "new prompt nobody holds " * 40) for i in range(12)]
+    blocks = len(services.hasher.chain(prompts[0].view.canonical, "m", None))
+    # Each prompt fills half of an endpoint's entries, b's are the oldest, then c's, then a's.
+    _full_index(services, {"a": 30.0, "b": 90.0, "c": 60.0}, capacity=2 * blocks)
+    chosen = "".join(picker.choose(request).name for request in prompts)
+    if ties == "eviction":
+        assert chosen == "bbccaabbccaa"
+    else:
+        assert chosen != "bbccaabbccaa"
+
+
+def test_an_endpoint_with_room_takes_a_new_prompt_before_any_eviction():
+    endpoints = [endpoint(name) for name in "abc"]
+    picker, services = _picker(*endpoints)
+    _full_index(services, {"a": 300.0, "b": 200.0})
+    services.index.set_capacity("c", 1_000)
+    services.index.record("c", [7, 8, 9])
+    chosen = {picker.choose(ctx(f"{i} " + "new prompt nobody holds " * 40)).name for i in range(8)}
+    assert chosen == {"c"}
