@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import cost_model_error
 import decision_cost
 import httpx
 import orjson
@@ -166,8 +167,15 @@ def sim_fleet(
         stop(proc)
 
 
-def gateway_yaml(port: int, urls: list[str], policy: str, events: list[str] | None = None) -> str:
-    """`events`: "pub,replay" per endpoint for precise routing (the sim tokenizer)."""
+def gateway_yaml(
+    port: int,
+    urls: list[str],
+    policy: str,
+    events: list[str] | None = None,
+    explain: bool = False,
+) -> str:
+    """`events`: "pub,replay" per endpoint for precise routing (the sim tokenizer);
+    `explain`: answer `x-kvgate-explain: 1` from anyone."""
     entries = []
     for i, url in enumerate(urls):
         if events:
@@ -182,11 +190,14 @@ def gateway_yaml(port: int, urls: list[str], policy: str, events: list[str] | No
         "auth: none\n"
         f"pools:\n  - {{name: sim, engine: vllm, models: [{MODEL}], policy: {policy}, "
         f"endpoints: [{endpoints}]{tokenizer}}}\n"
+        + ("routing: {explain: always}\n" if explain else "")
     )
 
 
 @contextlib.contextmanager
-def front(router: str, urls: list[str], workdir: Path, events: list[str]) -> Iterator[str]:
+def front(
+    router: str, urls: list[str], workdir: Path, events: list[str], explain: bool
+) -> Iterator[str]:
     """The router under test in front of the fleet at `urls`; yields its base URL."""
     if router == peer_router.NAME:
         with peer_router.sglang_router(urls, workdir) as base:
@@ -195,9 +206,9 @@ def front(router: str, urls: list[str], workdir: Path, events: list[str]) -> Ite
     port = free_port()
     config = workdir / "gateway.yaml"
     if router == PRECISE:
-        config.write_text(gateway_yaml(port, urls, "kvgate", events))
+        config.write_text(gateway_yaml(port, urls, "kvgate", events, explain))
     else:
-        config.write_text(gateway_yaml(port, urls, router))
+        config.write_text(gateway_yaml(port, urls, router, explain=explain))
     with gateway(config, port):
         yield f"http://127.0.0.1:{port}"
 
@@ -213,11 +224,15 @@ class Result:
     cached_tokens: int = 0
     endpoint: str = ""
     error: str = ""
+    explain: str = ""
 
 
-async def replay(url: str, plans: list[Planned]) -> tuple[list[Result], float]:
+async def replay(url: str, plans: list[Planned], explain: bool) -> tuple[list[Result], float]:
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=4096)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=300) as client:
+    headers = {"x-kvgate-explain": "1"} if explain else {}
+    async with httpx.AsyncClient(
+        base_url=url, limits=limits, timeout=300, headers=headers
+    ) as client:
         loop = asyncio.get_running_loop()
         start = loop.time() + 0.2
 
@@ -230,6 +245,7 @@ async def replay(url: str, plans: list[Planned]) -> tuple[list[Result], float]:
                     "POST", "/v1/chat/completions", json=plan.body
                 ) as response:
                     result.endpoint = response.headers.get("x-kvgate-endpoint", "")
+                    result.explain = response.headers.get("x-kvgate-route-explain", "")
                     if response.status_code != 200:
                         result.error = f"http {response.status_code}"
                         await response.aread()
@@ -270,15 +286,16 @@ def percentile(values: list[float], q: float) -> float:
 def run_cell(args: argparse.Namespace, router: str, plans: list[Planned]) -> dict[str, Any]:
     """One replay of `plans` through `router` on a fresh fleet: its figures, or
     `{"unavailable": reason}` when the router cannot run here."""
+    explain = args.cost_model and router != peer_router.NAME
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         lag_file = workdir / "lag.json"
         try:
             with (
                 sim_fleet(args, lag_file, router == PRECISE) as (urls, events),
-                front(router, urls, workdir, events) as base,
+                front(router, urls, workdir, events, explain) as base,
             ):
-                results, elapsed = asyncio.run(replay(base, plans))
+                results, elapsed = asyncio.run(replay(base, plans, explain))
                 engine_stats = [httpx.get(u + "/sim/stats").json() for u in urls]
                 drift = index_drift(base) if router != peer_router.NAME else math.nan
         except peer_router.PeerUnavailable as exc:
@@ -287,6 +304,13 @@ def run_cell(args: argparse.Namespace, router: str, plans: list[Planned]) -> dic
     if args.by_engine:
         print_by_engine(router, plans, results)
     ok = [r for r in results if not r.error]
+    if explain:
+        explained = [
+            cost_model_error.Explained(r.explain, r.endpoint, r.ttft, r.prompt_tokens)
+            for r in ok
+            if r.explain and r.ttft is not None
+        ]
+        print(f"  {router}: {cost_model_error.describe(cost_model_error.fit(explained))}")
     ttfts = [r.ttft for r in ok if r.ttft is not None]
     loads = [s["requests_received"] for s in engine_stats]
     hits = sum(s["prefix_hit_tokens"] for s in engine_stats)
@@ -502,6 +526,12 @@ def parse_args() -> argparse.Namespace:
         "--by-engine",
         action="store_true",
         help="print each run's per-engine TTFT and uncached work",
+    )
+    p.add_argument(
+        "--cost-model",
+        action="store_true",
+        help="kvgate columns explain every decision; print how well the cost model predicted "
+        "each request's TTFT (cost_model_error.py)",
     )
     p.add_argument("--serve-sim", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--lag-file", default="", help=argparse.SUPPRESS)

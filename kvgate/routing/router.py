@@ -16,6 +16,7 @@ model the request will really use; picking never changes the model.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Collection, Sequence
 from typing import Protocol
@@ -177,16 +178,16 @@ class PolicyPicker:
             weighted_scores(ctx, available, profile.scorers) if profile.scorers else (None, [])
         )
         chosen = available[profile.picker(ctx, available, scores)].endpoint
-        self._record(ctx, chosen)
-        decisions, key = self.services.decisions, (chosen.name, self.policy.name)
-        decisions[key] = decisions.get(key, 0) + 1
-        if self.services.explain_allowed(ctx):
+        if self.services.explain_allowed(ctx):  # before the decision changes the index
             ctx.response_headers.append(
                 (
                     ROUTE_EXPLAIN,
                     _explain(ctx, self.policy.name, rule, profile, available, scores, columns),
                 )
             )
+        self._record(ctx, chosen)
+        decisions, key = self.services.decisions, (chosen.name, self.policy.name)
+        decisions[key] = decisions.get(key, 0) + 1
         return chosen
 
     def _record(self, ctx: RequestContext, chosen: Endpoint) -> None:
@@ -216,10 +217,12 @@ def _explain(
 ) -> bytes:
     """Every term of the decision, per candidate: its score and each scorer's value, and the
     inputs of the predicted time to first token (held prompt blocks, uncached tokens, prefill
-    tokens queued there, decoding sequences, the engine's waiting requests) and the load the
+    tokens queued there, decoding sequences, the engine's waiting requests), how long ago the
+    blocks the placement would evict were last used (`room`: none would be) and the load the
     picker's imbalance gate compares."""
     names = [s.NAME for s, _ in profile.scorers]
     prefix = ctx.prefix
+    now = time.monotonic()
     parts = [f"policy={policy}; rule={rule}; objective={profile.objective}"]
     if prefix is not None:
         parts[0] += f"; prompt_tokens={prefix.prompt_tokens}; blocks={len(prefix.hashes)}"
@@ -233,6 +236,9 @@ def _explain(
         if prefix is not None:
             fields.append(f"held_blocks={prefix.matched.get(candidate.name, 0)}")
             fields.append(f"uncached={prefix.uncached_tokens(candidate.name)}")
+            touched = prefix.eviction_touch(candidate.name)
+            age = f"{now - touched:.1f}s" if touched > -math.inf else "room"
+            fields.append(f"evicts_age={age}")
         fields.append(f"queued_tokens={candidate.queued_tokens:.0f}")
         fields.append(f"decoding={candidate.active_sequences:.0f}")
         fields.append(f"waiting={candidate.waiting:.0f}")

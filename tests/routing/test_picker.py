@@ -166,8 +166,8 @@ def test_explain_header(mode, header, shown):
     if shown:
         assert explained.startswith(b"policy=kvgate; rule=default; objective=latency; ")
         assert b"; a score=" in explained and b"predicted_ttft=" in explained
-        for term in (b"prompt_tokens=", b"held_blocks=", b"uncached=", b"queued_tokens=",
-                     b"decoding=", b"waiting="):  # fmt: skip
+        for term in (b"prompt_tokens=", b"held_blocks=", b"uncached=", b"evicts_age=room",
+                     b"queued_tokens=", b"decoding=", b"waiting="):  # fmt: skip
             assert term in explained
 
 
@@ -360,3 +360,28 @@ def test_an_endpoint_with_room_takes_a_new_prompt_before_any_eviction():
     services.index.record("c", [7, 8, 9])
     chosen = {picker.choose(ctx(f"{i} " + "new prompt nobody holds " * 40)).name for i in range(8)}
     assert chosen == {"c"}
+
+
+@pytest.mark.parametrize(
+    ("queued_tokens", "hold_margin", "stays"),
+    [(2_600, 0.15, True), (2_600, 0.0, False), (6_000, 0.15, False)],
+)
+def test_the_holder_keeps_a_prompt_unless_moving_saves_more_than_the_hold_margin(
+    queued_tokens, hold_margin, stays
+):
+    """Leaving the endpoint that holds the prompt must be predicted to save more than the
+    cost model's own error: a 10% cheaper cold prefill elsewhere does not move the prompt,
+    a prefill queue twice its size does."""
+    a, b = endpoint("a"), endpoint("b")
+    policy = build_policy(
+        {
+            "objective": "latency",
+            "picker": {"type": "max_score", "params": {"hold_margin": hold_margin}},
+        },
+        "t",
+    )
+    picker, _ = _picker(a, b, policy=policy)
+    long_system = SYSTEM * 4  # ~1,200 tokens: a cold prefill costs ~2,550 prefill tokens
+    holder = picker.choose(ctx(long_system + "q"))
+    holder.prefill_requests, holder.prefill_tokens = 1, queued_tokens
+    assert (picker.choose(ctx(long_system + "q2")) is holder) is stays

@@ -1,0 +1,88 @@
+"""How well kvgate's cost model predicts a request's time to first token, from the
+`x-kvgate-route-explain` header of every request of a run (`routing.py --cost-model`).
+
+The picker prices each candidate in prefill tokens; the part of that price that is the
+request's own wait is `base_tokens` + its uncached prompt tokens + the prefill tokens queued
+ahead of it + `decode_token_weight` x decoding sequences (the miss pricing on top is what the
+choice costs others, not this request's wait). A least-squares line TTFT = a + b x tokens over
+the run gives the engine's effective step and per-token costs; the relative errors around it
+say which differences in predicted cost the model can resolve at all. kvgate's `hold_margin`
+(a prompt stays with the endpoint holding most of it unless moving saves more than that) is
+the median of these errors.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+BASE_TOKENS = 150.0  # predicted_ttft's defaults (kvgate/routing/scorers.py)
+DECODE_TOKEN_WEIGHT = 2.0
+
+
+@dataclass(slots=True)
+class Explained:
+    explain: str  # the x-kvgate-route-explain header
+    endpoint: str
+    ttft: float
+    prompt_tokens: int  # the engine's count, to rescale the gateway's estimate
+
+
+def _fields(explain: str, endpoint: str) -> tuple[int, dict[str, str]]:
+    """The gateway's prompt-token estimate and the chosen candidate's fields."""
+    prompt = 0
+    chosen: dict[str, str] = {}
+    for part in explain.split("; "):
+        if part.startswith("prompt_tokens="):
+            prompt = int(part.split("=", 1)[1])
+        elif part.startswith(endpoint + " "):
+            chosen = dict(item.split("=", 1) for item in part.split(" ")[1:])
+    return prompt, chosen
+
+
+def own_wait_tokens(record: Explained) -> float | None:
+    """The request's own predicted wait in prefill tokens, in the engine's tokens."""
+    estimate, chosen = _fields(record.explain, record.endpoint)
+    if not estimate or not chosen:
+        return None
+    scale = record.prompt_tokens / estimate
+    return (
+        BASE_TOKENS
+        + scale * (float(chosen["uncached"]) + float(chosen["queued_tokens"]))
+        + DECODE_TOKEN_WEIGHT * float(chosen["decoding"])
+    )
+
+
+def fit(records: list[Explained]) -> dict[str, float]:
+    """Step and per-token cost of the least-squares line, its R², and the relative errors'
+    median and 75th percentile; {} with fewer than 10 usable records."""
+    pairs = [(own_wait_tokens(r), r.ttft) for r in records]
+    points = [(x, y) for x, y in pairs if x is not None]
+    if len(points) < 10:
+        return {}
+    xs, ys = [x for x, _ in points], [y for _, y in points]
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / spread if spread else 0.0
+    step = mean_y - slope * mean_x
+    predicted = [step + slope * x for x in xs]
+    residual = sum((y - p) ** 2 for y, p in zip(ys, predicted, strict=True))
+    total = sum((y - mean_y) ** 2 for y in ys)
+    errors = sorted(abs(y - p) / p for y, p in zip(ys, predicted, strict=True) if p > 0)
+    return {
+        "step_s": step,
+        "token_s": slope,
+        "r2": 1 - residual / total if total else 0.0,
+        "error_p50": errors[len(errors) // 2],
+        "error_p75": errors[int(0.75 * len(errors))],
+    }
+
+
+def describe(stats: dict[str, float]) -> str:
+    if not stats:
+        return "cost model: too few explained requests"
+    return (
+        f"cost model: TTFT ≈ {stats['step_s'] * 1e3:.1f} ms + {stats['token_s'] * 1e6:.1f} µs"
+        f" x tokens (R² {stats['r2']:.2f}), relative error p50 {stats['error_p50']:.0%},"
+        f" p75 {stats['error_p75']:.0%}"
+    )
