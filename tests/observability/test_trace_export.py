@@ -306,18 +306,20 @@ def event_loop_kind(request: pytest.FixtureRequest) -> Iterator[str]:
         asyncio.set_event_loop_policy(None)
 
 
+def _otlp_gateway(fleet, collector: OtlpCollector) -> GatewayApp:
+    """An open gateway on `fleet` exporting its traces over OTLP to `collector`."""
+    tracing = {"exporter": "otlp", "endpoint": collector.endpoint}
+    config = gateway_config(
+        fleet.urls, pool={"models": ["sim-model"]}, auth="none", observability={"tracing": tracing}
+    )
+    return GatewayApp(parse_config(config))
+
+
 def test_a_gateway_exporting_otlp_sends_each_requests_spans_through_its_exporter_process(
     fleet, event_loop_kind
 ):
     with OtlpCollector() as collector:
-        tracing = {"exporter": "otlp", "endpoint": collector.endpoint}
-        config = gateway_config(
-            fleet.urls,
-            pool={"models": ["sim-model"]},
-            auth="none",
-            observability={"tracing": tracing},
-        )
-        app = GatewayApp(parse_config(config))
+        app = _otlp_gateway(fleet, collector)
         with ServerThread(app) as server:
             assert server.loop is not None
             assert type(server.loop).__module__.split(".")[0] == event_loop_kind
@@ -356,14 +358,7 @@ def test_a_gateway_whose_exporter_process_is_killed_starts_another_and_its_trace
     fleet, event_loop_kind, caplog
 ):
     with OtlpCollector() as collector:
-        tracing = {"exporter": "otlp", "endpoint": collector.endpoint}
-        config = gateway_config(
-            fleet.urls,
-            pool={"models": ["sim-model"]},
-            auth="none",
-            observability={"tracing": tracing},
-        )
-        app = GatewayApp(parse_config(config))
+        app = _otlp_gateway(fleet, collector)
         assert app.tracing is not None
         export = app.tracing.export
         assert isinstance(export, ExporterProcess)
