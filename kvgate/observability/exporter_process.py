@@ -167,22 +167,30 @@ class ExporterProcess:
                 self.restarts + 1,
                 delay,
             )
-            while True:
-                with suppress(TimeoutError):
-                    await asyncio.wait_for(self._stop_requested.wait(), delay)
-                if self._stop_requested.is_set():
-                    return
-                try:
-                    await self._spawn()
-                    break
-                except OSError as error:
-                    delay = min(2 * delay, longest)
-                    log.error("trace exporter process not started (%s): next in %g s", error, delay)
+            started_after = await self._respawn(delay, longest)
+            if started_after is None:
+                return
+            delay = started_after
             self.restarts += 1
             self._on_restarted()
             self._flush()
             if self._stop_requested.is_set():  # `stop` came while it was starting
                 self._close_input()
+
+    async def _respawn(self, delay: float, longest: float) -> float | None:
+        """Start a child after `delay`, doubling the wait (up to `longest`) while starting
+        fails; the last wait, or None when `stop` came first."""
+        while True:
+            with suppress(TimeoutError):
+                await asyncio.wait_for(self._stop_requested.wait(), delay)
+            if self._stop_requested.is_set():
+                return None
+            try:
+                await self._spawn()
+                return delay
+            except OSError as error:
+                delay = min(2 * delay, longest)
+                log.error("trace exporter process not started (%s): next in %g s", error, delay)
 
     async def _until_the_child_ends(self) -> tuple[float, int, int]:
         """The child's exit: how long it ran, its exit code, and how many spans it was sent
