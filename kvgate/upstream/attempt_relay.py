@@ -244,9 +244,9 @@ class AttemptRelay:
                     if ctx.committed:
                         await _send_body(send, first)
                     else:
-                        await _commit(ctx, send, first)
                         if transcript is None:  # no retry or resume can need the prompt now
                             ctx.release_prompt()
+                        await _commit(ctx, send, first)
                     phase = "stall"
                     record_gap = self.resilience.observer.token_gap_recorder(ctx.route)
                     relayed_at = time.perf_counter()
