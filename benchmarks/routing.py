@@ -31,7 +31,10 @@ sglang-router with `--policy cache_aware`
 (peer_router.py). Ideals per workload and load (cache_ideals.py): the infinite-cache hit rate
 and that of one LRU cache with the fleet's whole KV memory (engines x `--kv-blocks` x 16
 tokens); each router's hit (cached_tokens over prompt tokens) is shown as a fraction of the
-latter too. Simulator lag (event-loop oversleep in the fleet process) shows a CPU-bound run.
+latter too. The TTFT floor per workload (cache_ideals.py): the p50 / p90 of each request's own
+prefill of what the infinite cache misses, alone on an engine; no schedule goes below it, so a
+target under it cannot be met. Simulator lag (event-loop oversleep in the fleet process) shows
+a CPU-bound run.
 """
 
 from __future__ import annotations
@@ -567,7 +570,7 @@ def run_workload(args: argparse.Namespace, workload: str) -> tuple[list[Row], st
     rows = []
     for label, rate in loads:
         plans = WORKLOADS[workload](rate, args)
-        ideals = cache_ideals([p.body for p in plans], capacity)
+        ideals = cache_ideals([p.body for p in plans], capacity, speed=args.speed)
         for router in routers:
             runs = [probes[rate]] if router == "round_robin" and rate in probes else []
             while len(runs) < args.repeats:
