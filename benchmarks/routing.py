@@ -33,8 +33,13 @@ and that of one LRU cache with the fleet's whole KV memory (engines x `--kv-bloc
 tokens); each router's hit (cached_tokens over prompt tokens) is shown as a fraction of the
 latter too. The TTFT floor per workload (cache_ideals.py): the p50 / p90 of each request's own
 prefill of what the infinite cache misses, alone on an engine; no schedule goes below it, so a
-target under it cannot be met. Simulator lag (event-loop oversleep in the fleet process) shows
-a CPU-bound run.
+target under it cannot be met.
+
+With two or more CPUs the simulated fleet runs alone on the last one and the router and the
+client share the others (`--no-pin`: everything shares every CPU), so that what a router spends
+on CPU does not slow the engines it is measured on, as on a real fleet whose GPUs do not share
+the gateway's cores. Simulator lag (event-loop oversleep in the fleet process) shows a
+CPU-bound run.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ import datetime
 import itertools
 import json
 import math
+import os
 import signal
 import statistics
 import subprocess
@@ -92,9 +98,21 @@ SEARCH_TOLERANCE = 1.25
 # --- processes -----------------------------------------------------------------------------
 
 
+def sim_cpus() -> tuple[set[int], set[int]]:
+    """(the simulated fleet's CPUs, everyone else's): the last CPU this process may use for the
+    fleet, the others for the router under test and the client. Empty sets with fewer than 2."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return set(), set()
+    return {cpus[-1]}, set(cpus[:-1])
+
+
 def serve_sim(args: argparse.Namespace) -> None:
     """Child process: a simulated fleet plus an event-loop lag probe written at exit."""
     from kvgate.sim import EngineOptions, SimFleet
+
+    if args.pin_sim:
+        os.sched_setaffinity(0, {int(cpu) for cpu in args.pin_sim.split(",")})
 
     async def main() -> list[float]:
         options = EngineOptions(
@@ -152,6 +170,7 @@ def sim_fleet(
             "--lag-file",
             str(lag_file),
             *(["--kv-events"] if kv_events else []),
+            *(["--pin-sim", ",".join(map(str, args.sim_cpus))] if args.sim_cpus else []),
         ],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
@@ -537,6 +556,12 @@ def parse_args() -> argparse.Namespace:
         "each request's TTFT (cost_model_error.py)",
     )
     p.add_argument("--serve-sim", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--no-pin",
+        action="store_true",
+        help="let the simulated fleet share every CPU with the router and the client",
+    )
+    p.add_argument("--pin-sim", default="", help=argparse.SUPPRESS)
     p.add_argument("--lag-file", default="", help=argparse.SUPPRESS)
     p.add_argument("--kv-events", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -593,6 +618,9 @@ def main() -> int:
     if args.serve_sim:
         serve_sim(args)
         return 0
+    args.sim_cpus, others = (set(), set()) if args.no_pin else sim_cpus()
+    if others:  # the gateway, the peer router and their children inherit it
+        os.sched_setaffinity(0, others)
     micro_out = {} if args.no_micro else {**decision_cost.micro(), **precise_cost.micro()}
     if micro_out:
         print(json.dumps(micro_out, indent=1), flush=True)

@@ -182,7 +182,14 @@ def sections(rows: list[Row], args: argparse.Namespace, searches: dict[str, str]
     out = [
         f"{args.engines} simulated engines (realistic profile, speed {args.speed:g}, "
         f"{args.kv_blocks} KV blocks of 16 tokens each, max_num_seqs {args.max_num_seqs}), fresh "
-        f"per cell; seed {args.seed}; {args.repeats} run(s) per cell (median). Cells: TTFT p50 / "
+        "per cell, "
+        + (
+            f"in one process on CPU {','.join(map(str, sorted(args.sim_cpus)))} alone (the "
+            "router and the client on the others)"
+            if args.sim_cpus
+            else "sharing every CPU with the router and the client"
+        )
+        + f"; seed {args.seed}; {args.repeats} run(s) per cell (median). Cells: TTFT p50 / "
         "p90 s · prefix hit (cached_tokens / prompt tokens) (as a share of the fleet-LRU ideal) "
         "· failed requests.",
         "",
