@@ -1,5 +1,5 @@
 """The HTTP server protocol kvgate runs: uvicorn's httptools protocol with a deadline for each
-request's line and headers, writing what a pass of the event loop produces in one system call.
+request's line and headers, and a response's head and first body bytes in one system call.
 
 uvicorn times a connection only while it is idle between requests (the keep-alive timeout);
 a client that opens a connection and sends its request line and headers slowly, or never
@@ -8,9 +8,9 @@ request's headers must be complete within `header_timeout` seconds of the reques
 byte (or of the connection being opened), or the connection is closed.
 
 uvicorn writes a response's head and each body message separately, each a send system call
-(the largest single cost of a request in the profile); the protocol hands uvicorn a
-`CoalescingTransport` (`kvgate/write_coalescing.py`), so a non-streaming answer, or a stream's
-head and first event, leaves in one.
+(socket writes were the largest single cost of a request in the profile); the protocol hands
+uvicorn a `CoalescingTransport` (`kvgate/write_coalescing.py`), so a non-streaming answer, or a
+stream's head and first event, leaves in one.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from kvgate.write_coalescing import CoalescingTransport
 
 
 class GatewayHttpProtocol(HttpToolsProtocol):
-    """`HttpToolsProtocol` closing connections whose headers do not arrive in time, its writes
-    coalesced per pass of the event loop."""
+    """`HttpToolsProtocol` closing connections whose headers do not arrive in time, each
+    response's head written together with what follows it."""
 
     header_timeout = 10.0
     _header_timer: asyncio.TimerHandle | None = None
