@@ -1,16 +1,11 @@
 """The HTTP server protocol kvgate runs: uvicorn's httptools protocol with a deadline for each
-request's line and headers, and a response's head and first body bytes in one system call.
+request's line and headers.
 
 uvicorn times a connection only while it is idle between requests (the keep-alive timeout);
 a client that opens a connection and sends its request line and headers slowly, or never
 finishes them, would hold the connection and its buffers for as long as it likes. Here each
 request's headers must be complete within `header_timeout` seconds of the request's first
 byte (or of the connection being opened), or the connection is closed.
-
-uvicorn writes a response's head and each body message separately, each a send system call
-(socket writes were the largest single cost of a request in the profile); the protocol hands
-uvicorn a `CoalescingTransport` (`kvgate/write_coalescing.py`), so a non-streaming answer, or a
-stream's head and first event, leaves in one.
 """
 
 from __future__ import annotations
@@ -19,18 +14,15 @@ import asyncio
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from kvgate.write_coalescing import CoalescingTransport
 
-
-class GatewayHttpProtocol(HttpToolsProtocol):
-    """`HttpToolsProtocol` closing connections whose headers do not arrive in time, each
-    response's head written together with what follows it."""
+class HeaderDeadlineProtocol(HttpToolsProtocol):
+    """`HttpToolsProtocol` closing connections whose headers do not arrive in time."""
 
     header_timeout = 10.0
     _header_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(CoalescingTransport(transport, self.loop))
+        super().connection_made(transport)
         self._arm()
 
     def on_message_begin(self) -> None:
@@ -63,4 +55,4 @@ class GatewayHttpProtocol(HttpToolsProtocol):
 def use_header_timeout(seconds: float) -> None:
     """Set the header deadline of this process's connections (each worker process sets its
     own from the config it loads; the class is passed to uvicorn by reference)."""
-    GatewayHttpProtocol.header_timeout = seconds
+    HeaderDeadlineProtocol.header_timeout = seconds

@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 from kvgate.config import KEEPALIVE_SECONDS
-from kvgate.http_server import GatewayHttpProtocol
+from kvgate.http_server import HeaderDeadlineProtocol
 from kvgate.observability.log_format import logging_config
 
 _ENDING_SECONDS = 1
@@ -26,7 +26,7 @@ def uvicorn_options(
     have a deadline too (`kvgate/http_server.py`, `use_header_timeout`)."""
     return {
         "timeout_keep_alive": keepalive,
-        "http": GatewayHttpProtocol,
+        "http": HeaderDeadlineProtocol,
         "host": host,
         "port": port,
         "loop": "uvloop",

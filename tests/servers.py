@@ -10,13 +10,10 @@ from typing import Any
 
 import uvicorn
 
-from kvgate.http_server import GatewayHttpProtocol
-
 
 class ServerThread:
-    """Serve `app` with uvicorn (kvgate's httptools protocol, lifespan on) on 127.0.0.1 and a
-    free port, in a thread with its own event loop (asyncio's unless `loop` names another).
-    `url` is ready once the context manager is entered."""
+    """Serve `app` with uvicorn (httptools, lifespan on) on 127.0.0.1 and a free port, in a
+    thread with its own event loop. `url` is ready once the context manager is entered."""
 
     def __init__(self, app: Any, lifespan: str = "on", **options: Any) -> None:
         """`options`: uvicorn.Config keyword arguments over the defaults here."""
@@ -25,7 +22,7 @@ class ServerThread:
             "host": "127.0.0.1",
             "port": 0,
             "loop": "asyncio",
-            "http": GatewayHttpProtocol,
+            "http": "httptools",
             "lifespan": lifespan,
             "access_log": False,
             "log_level": "warning",
@@ -39,8 +36,7 @@ class ServerThread:
 
     def _run(self) -> None:
         try:
-            with asyncio.Runner(loop_factory=self.server.config.get_loop_factory()) as runner:
-                runner.run(self._serve())
+            asyncio.run(self._serve())
         except BaseException as exc:
             self._error = exc
 

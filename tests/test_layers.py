@@ -44,7 +44,6 @@ _MODULE_LAYERS = {
     "kvgate.demo": "cli",
     "kvgate.serving": "cli",
     "kvgate.http_server": "base",
-    "kvgate.write_coalescing": "base",
     "kvgate.sim_tokenizer": "sim_text",
     "kvgate.sim_chat_template": "sim_text",
     "kvgate.kv_event_fields": "sim_text",
