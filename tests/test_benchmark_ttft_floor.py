@@ -4,6 +4,8 @@ floor follows the cache (a repeated prompt's floor is its last block's prefill o
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import sys
 import time
 from pathlib import Path
@@ -13,8 +15,16 @@ import pytest
 
 from kvgate.sim import EngineOptions, SimFleet
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from cache_ideals import cache_ideals, prefill_seconds
+# Loaded from its file: the benchmarks folder is not a package and stays off sys.path.
+_SPEC = importlib.util.spec_from_file_location(
+    "cache_ideals", Path(__file__).resolve().parent.parent / "benchmarks" / "cache_ideals.py"
+)
+assert _SPEC is not None and _SPEC.loader is not None
+cache_ideals_module = importlib.util.module_from_spec(_SPEC)
+sys.modules[_SPEC.name] = cache_ideals_module  # its dataclass looks itself up there
+_SPEC.loader.exec_module(cache_ideals_module)
+cache_ideals = cache_ideals_module.cache_ideals
+prefill_seconds = cache_ideals_module.prefill_seconds
 
 SPEED = 5.0
 
@@ -30,9 +40,8 @@ async def _ttft(client: httpx.AsyncClient, url: str, body: dict) -> tuple[float,
             if first is None and line.startswith("data: "):
                 first = time.perf_counter() - sent
             if '"prompt_tokens_details"' in line:
-                cached = httpx.Response(200, content=line[6:]).json()["usage"][
-                    "prompt_tokens_details"
-                ]["cached_tokens"]
+                usage = json.loads(line[6:])["usage"]
+                cached = usage["prompt_tokens_details"]["cached_tokens"]
     assert first is not None
     return first, cached
 
