@@ -225,7 +225,7 @@ def _explain(
     now = time.monotonic()
     parts = [f"policy={policy}; rule={rule}; objective={profile.objective}"]
     if prefix is not None:
-        parts[0] += f"; prompt_tokens={prefix.prompt_tokens}; blocks={len(prefix.hashes)}"
+        parts[0] += f"; prompt_tokens={prefix.prompt_tokens}; blocks={prefix.blocks}"
     for i, candidate in enumerate(candidates):
         fields = [candidate.name]
         if scores is not None:
