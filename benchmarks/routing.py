@@ -89,6 +89,9 @@ GATEWAY_POLICIES = ("random", "round_robin", "least_loaded", "kvgate")
 PRECISE = "precise"
 ROUTERS = (*GATEWAY_POLICIES, PRECISE, peer_router.NAME)
 LOADS = {"light": 1.0, "3x": 3.0, "10x": 10.0}
+# First tokens slower than this (kvgate's TTFT objective, a bucket edge of its TTFT histogram)
+# are counted twice per kvgate cell: as the client saw them and as the gateway measured them.
+SLOW_TTFT_SECONDS = 2.0
 # Rates far under the fleet's capacity on each workload (the unloaded reference).
 DEFAULT_LIGHT = "shared=12;sessions=12;mooncake=8;azure=10;agents=8"
 # A probe whose p90 is within this factor of the target ends the search for it.
@@ -319,7 +322,7 @@ def run_cell(args: argparse.Namespace, router: str, plans: list[Planned]) -> dic
             ):
                 results, elapsed = asyncio.run(replay(base, plans, explain))
                 engine_stats = [httpx.get(u + "/sim/stats").json() for u in urls]
-                drift = index_drift(base) if router != peer_router.NAME else math.nan
+                metrics = httpx.get(base + "/metrics").text if router != peer_router.NAME else ""
         except peer_router.PeerUnavailable as exc:
             return {"unavailable": str(exc)}
         lag = json.loads(lag_file.read_text()) if lag_file.exists() else {}
@@ -334,6 +337,7 @@ def run_cell(args: argparse.Namespace, router: str, plans: list[Planned]) -> dic
         ]
         print(f"  {router}: {cost_model_error.describe(cost_model_error.fit(explained))}")
     ttfts = [r.ttft for r in ok if r.ttft is not None]
+    slow = SLOW_TTFT_SECONDS
     loads = [s["requests_received"] for s in engine_stats]
     hits = sum(s["prefix_hit_tokens"] for s in engine_stats)
     queries = sum(s["prefix_queries"] for s in engine_stats)
@@ -350,24 +354,44 @@ def run_cell(args: argparse.Namespace, router: str, plans: list[Planned]) -> dic
         "hit_cached_tokens": sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
         "max_over_mean_load": max(loads) / statistics.mean(loads) if any(loads) else math.nan,
         "loads": loads,
+        "preemptions": sum(s["preemptions"] for s in engine_stats),
         "sim_lag_p99_ms": lag.get("p99_ms", math.nan),
-        "index_drift": drift,
+        "index_drift": index_drift(metrics),
+        "slow_client": sum(1 for t in ttfts if t > slow),
+        "slow_gateway": gateway_slow_ttfts(metrics, slow),
         "elapsed": elapsed,
     }
 
 
-def index_drift(base: str) -> float:
-    """kvgate's prefix-index drift over the run, from its /metrics: (predicted - cached
+def index_drift(metrics: str) -> float:
+    """kvgate's prefix-index drift over the run, from its /metrics text: (predicted - cached
     tokens) ÷ predicted, summed over endpoints; NaN when nothing was predicted (a policy
-    that does not route by prefix)."""
+    that does not route by prefix, or a peer router: no text)."""
     totals = {"kvgate_prefix_predicted_tokens_total": 0.0, "kvgate_prefix_cached_tokens_total": 0.0}
-    for line in httpx.get(base + "/metrics").text.splitlines():
+    for line in metrics.splitlines():
         name = line.split("{", 1)[0]
         if name in totals:
             totals[name] += float(line.rsplit(" ", 1)[1])
     predicted = totals["kvgate_prefix_predicted_tokens_total"]
     cached = totals["kvgate_prefix_cached_tokens_total"]
     return (predicted - cached) / predicted if predicted else math.nan
+
+
+def gateway_slow_ttfts(metrics: str, seconds: float) -> float:
+    """Streams whose time to first token the gateway itself measured above `seconds` (a bucket
+    edge of `kvgate_time_to_first_token_seconds`), from its /metrics text; NaN without one.
+    Set beside the client's own count it shows where slow first tokens were lost: a gap means
+    the time was spent outside the gateway (the load generator or the sockets to it)."""
+    total = within = math.nan
+    for line in metrics.splitlines():
+        if not line.startswith("kvgate_time_to_first_token_seconds_bucket{"):
+            continue
+        value = float(line.rsplit(" ", 1)[1])
+        if 'le="+Inf"' in line:
+            total = value if math.isnan(total) else total + value
+        elif f'le="{seconds}"' in line:
+            within = value if math.isnan(within) else within + value
+    return total - within
 
 
 def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -95,8 +95,9 @@ def workload_table(rows: list[Row]) -> str:
 def details_table(rows: list[Row]) -> str:
     lines = [
         "| load | router | n | failed (kinds) | TTFT p99 s | output tok/s | hit (engine) "
-        "| requests per engine | max/mean | index drift | sim lag p99 ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| requests per engine | max/mean | index drift | preemptions "
+        "| TTFT > 2 s: client / gateway | sim lag p99 ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if not row.ran:
@@ -109,6 +110,7 @@ def details_table(rows: list[Row]) -> str:
             f"| {_fmt(s['output_tok_s'], 0)} | {_fmt(s['hit_engine'])} "
             f"| {'/'.join(str(round(n)) for n in s['loads'])} "
             f"| {_fmt(s['max_over_mean_load'])} | {_pct(s.get('index_drift', math.nan))} "
+            f"| {round(s['preemptions'])} | {s['slow_client']:.0f} / {_fmt(s['slow_gateway'], 0)} "
             f"| {_fmt(s['sim_lag_p99_ms'], 0)} |"
         )
     return "\n".join(lines)
