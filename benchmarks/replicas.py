@@ -47,6 +47,7 @@ import httpx
 import orjson
 import uvloop
 from cache_ideals import cache_ideals
+from chat_stream import Streamed, client_session, stream_chat
 from routing import gateway_yaml, sim_fleet
 from services import PYTHON, append_results, free_port, machine, stop, wait_ready
 from workloads import TRACE_OF, WORKLOADS, Planned, add_arguments
@@ -221,14 +222,11 @@ def _machine_ticks() -> tuple[int, int]:
 
 
 @dataclass(slots=True)
-class Result:
-    replica: int
-    ttft: float | None = None
+class Result(Streamed):
+    """A streamed request and the replica it was sent to, and how late it was sent."""
+
+    replica: int = 0
     send_lag: float = 0.0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    endpoint: str = ""
-    error: str = ""
 
 
 def assign(plans: list[Planned], replicas: int, spread: str) -> list[int]:
@@ -247,47 +245,20 @@ async def replay(
     bases: list[str], plans: list[Planned], targets: list[int]
 ) -> tuple[list[Result], float]:
     """Open loop: each plan is sent to `bases[target]` at its intended time."""
-    limits = httpx.Limits(max_connections=4096, max_keepalive_connections=4096)
-    async with httpx.AsyncClient(limits=limits, timeout=300) as client:
+    async with client_session() as session:
         loop = asyncio.get_running_loop()
         start = loop.time() + 0.2
 
         async def one(plan: Planned, replica: int) -> Result:
             intended = start + plan.at
             await asyncio.sleep(max(0.0, intended - loop.time()))
-            result = Result(replica, send_lag=loop.time() - intended)
-            try:
-                async with client.stream(
-                    "POST", bases[replica] + "/v1/chat/completions", json=plan.body
-                ) as response:
-                    result.endpoint = response.headers.get("x-kvgate-endpoint", "")
-                    if response.status_code != 200:
-                        result.error = f"http {response.status_code}"
-                        await response.aread()
-                        return result
-                    async for line in response.aiter_lines():
-                        if line.startswith("data: {"):
-                            _read_event(result, orjson.loads(line[6:]), loop.time() - intended)
-            except httpx.HTTPError as exc:
-                result.error = type(exc).__name__
-            if not result.error and result.ttft is None:
-                result.error = "no token"
+            result = Result(replica=replica, send_lag=loop.time() - intended)
+            url = bases[replica] + "/v1/chat/completions"
+            await stream_chat(session, url, plan.body, intended, result)
             return result
 
         results = await asyncio.gather(*(one(p, t) for p, t in zip(plans, targets, strict=True)))
         return list(results), loop.time() - start
-
-
-def _read_event(result: Result, event: dict[str, Any], since_intended: float) -> None:
-    choices = event.get("choices") or [{}]
-    # The first generated text, not the role-only event engines send first.
-    if result.ttft is None and (choices[0].get("delta") or {}).get("content"):
-        result.ttft = since_intended
-    usage = event.get("usage")
-    if usage:
-        result.prompt_tokens = usage.get("prompt_tokens", 0)
-        details = usage.get("prompt_tokens_details") or {}
-        result.cached_tokens = details.get("cached_tokens") or 0
 
 
 # --- one configuration -----------------------------------------------------------------------
@@ -309,7 +280,7 @@ def run_setup(
         workdir = Path(tmp)
         lag_file = workdir / "lag.json"
         with (
-            sim_fleet(args, lag_file) as urls,
+            sim_fleet(args, lag_file) as (urls, _events),
             gateways(setup, urls, redis_url, key_prefix, workdir) as started,
         ):
             cpu_before = [_cpu_seconds(g.proc.pid) for g in started]
@@ -486,6 +457,8 @@ def parse_args() -> argparse.Namespace:
     p.set_defaults(requests=160, groups=8, turns=4, turn_gap=3.0, trace_offset=0, block_chars=160)
     args = p.parse_args()
     args.per_group = max(1, args.requests // args.groups)  # what routing.shared_prefix reads
+    # What routing.sim_fleet reads: no pinning, the replicas and the fleet share both cores.
+    args.sim_cpus = set()
     return args
 
 

@@ -59,18 +59,17 @@ import sys
 import tempfile
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import cost_model_error
 import decision_cost
 import httpx
-import orjson
 import peer_router
 import precise_cost
 import routing_report
 from cache_ideals import cache_ideals
+from chat_stream import Streamed, client_session, stream_chat
 from routing_report import Row
 from services import (
     BENCH_DIR,
@@ -241,59 +240,18 @@ def front(
 # --- replay ----------------------------------------------------------------------------------
 
 
-@dataclass(slots=True)
-class Result:
-    ttft: float | None = None
-    output_tokens: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    endpoint: str = ""
-    error: str = ""
-    explain: str = ""
-
-
-async def replay(url: str, plans: list[Planned], explain: bool) -> tuple[list[Result], float]:
-    limits = httpx.Limits(max_connections=4096, max_keepalive_connections=4096)
-    headers = {"x-kvgate-explain": "1"} if explain else {}
-    async with httpx.AsyncClient(
-        base_url=url, limits=limits, timeout=300, headers=headers
-    ) as client:
+async def replay(url: str, plans: list[Planned], explain: bool) -> tuple[list[Streamed], float]:
+    headers = {"x-kvgate-explain": "1"} if explain else None
+    async with client_session(url) as session:
         loop = asyncio.get_running_loop()
         start = loop.time() + 0.2
 
-        async def one(plan: Planned) -> Result:
-            await asyncio.sleep(max(0.0, start + plan.at - loop.time()))
+        async def one(plan: Planned) -> Streamed:
             intended = start + plan.at
-            result = Result()
-            try:
-                async with client.stream(
-                    "POST", "/v1/chat/completions", json=plan.body
-                ) as response:
-                    result.endpoint = response.headers.get("x-kvgate-endpoint", "")
-                    result.explain = response.headers.get("x-kvgate-route-explain", "")
-                    if response.status_code != 200:
-                        result.error = f"http {response.status_code}"
-                        await response.aread()
-                        return result
-                    async for line in response.aiter_lines():
-                        if not line.startswith("data: {"):
-                            continue
-                        event = orjson.loads(line[6:])
-                        choices = event.get("choices") or [{}]
-                        # The first token, not the role-only event some engines send first.
-                        if result.ttft is None and (choices[0].get("delta") or {}).get("content"):
-                            result.ttft = loop.time() - intended
-                        usage = event.get("usage")
-                        if usage:
-                            result.output_tokens = usage.get("completion_tokens", 0)
-                            result.prompt_tokens = usage.get("prompt_tokens", 0)
-                            details = usage.get("prompt_tokens_details") or {}
-                            result.cached_tokens = details.get("cached_tokens") or 0
-            except httpx.HTTPError as exc:
-                result.error = type(exc).__name__
-            if not result.error and result.ttft is None:
-                result.error = "no token"
-            elif not result.error and not result.prompt_tokens:
+            await asyncio.sleep(max(0.0, intended - loop.time()))
+            result = Streamed()
+            await stream_chat(session, "/v1/chat/completions", plan.body, intended, result, headers)
+            if not result.error and not result.prompt_tokens:
                 result.error = "no usage"  # the hit rate could not count this request
             return result
 
@@ -415,7 +373,7 @@ def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def print_by_engine(label: str, plans: list[Planned], results: list[Result]) -> None:
+def print_by_engine(label: str, plans: list[Planned], results: list[Streamed]) -> None:
     """Per engine (kvgate columns only, from `x-kvgate-endpoint`): requests, TTFT p50/p90 and
     uncached prompt tokens; then TTFT p50 by arrival decile (does the queue build on one engine
     or on all?)."""
