@@ -70,7 +70,7 @@ import precise_cost
 import routing_report
 from cache_ideals import cache_ideals
 from chat_stream import Streamed, client_session, stream_chat
-from routing_report import Row
+from routing_report import SLOW_TTFT_SECONDS, Row
 from services import (
     BENCH_DIR,
     PYTHON,
@@ -88,9 +88,6 @@ GATEWAY_POLICIES = ("random", "round_robin", "least_loaded", "kvgate")
 PRECISE = "precise"
 ROUTERS = (*GATEWAY_POLICIES, PRECISE, peer_router.NAME)
 LOADS = {"light": 1.0, "3x": 3.0, "10x": 10.0}
-# First tokens slower than this (kvgate's TTFT objective, a bucket edge of its TTFT histogram)
-# are counted twice per kvgate cell: as the client saw them and as the gateway measured them.
-SLOW_TTFT_SECONDS = 2.0
 # Rates far under the fleet's capacity on each workload (the unloaded reference).
 DEFAULT_LIGHT = "shared=12;sessions=12;mooncake=8;azure=10;agents=8"
 # A probe whose p90 is within this factor of the target ends the search for it.
@@ -295,7 +292,6 @@ def run_cell(args: argparse.Namespace, router: str, plans: list[Planned]) -> dic
         ]
         print(f"  {router}: {cost_model_error.describe(cost_model_error.fit(explained))}")
     ttfts = [r.ttft for r in ok if r.ttft is not None]
-    slow = SLOW_TTFT_SECONDS
     loads = [s["requests_received"] for s in engine_stats]
     hits = sum(s["prefix_hit_tokens"] for s in engine_stats)
     queries = sum(s["prefix_queries"] for s in engine_stats)
@@ -315,8 +311,8 @@ def run_cell(args: argparse.Namespace, router: str, plans: list[Planned]) -> dic
         "preemptions": sum(s["preemptions"] for s in engine_stats),
         "sim_lag_p99_ms": lag.get("p99_ms", math.nan),
         "index_drift": index_drift(metrics),
-        "slow_client": sum(1 for t in ttfts if t > slow),
-        "slow_gateway": gateway_slow_ttfts(metrics, slow),
+        "slow_client": sum(1 for t in ttfts if t > SLOW_TTFT_SECONDS),
+        "slow_gateway": gateway_slow_ttfts(metrics, SLOW_TTFT_SECONDS),
         "elapsed": elapsed,
     }
 
