@@ -46,7 +46,7 @@ class SaturationLimits:
     (see kvgate/routing/telemetry.py for the stale policy)."""
 
     max_waiting: float = 5
-    max_kv_usage: float = 0.9
+    max_kv_usage: float = 1.0
     stale_after: float = 3.0
     stale_policy: StalePolicy = "local"
 

@@ -51,7 +51,8 @@ class FreshTelemetry:
 
 
 class NotSaturatedParams(NoParams):
-    """Thresholds; unset means the endpoint's own limits (`routing.saturation`)."""
+    """Thresholds; unset means the endpoint's own limits (`routing.saturation`, where KV use
+    saturates nothing by default: see `SaturationConfig`)."""
 
     max_waiting: float | None = Field(None, ge=0)
     max_kv_usage: float | None = Field(None, gt=0, le=1)

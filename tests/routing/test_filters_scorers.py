@@ -48,11 +48,18 @@ FILTER_CASES = [
         ["b"],
     ),
     (
-        "not_saturated: kv",
-        filters.NotSaturated(),
+        "not_saturated: kv, when a threshold is set",
+        filters.NotSaturated(filters.NotSaturatedParams(max_kv_usage=0.9)),
         lambda: [endpoint("a", telemetry=telemetry(kv_usage=0.95)), endpoint("b")],
         {},
         ["b"],
+    ),
+    (
+        "not_saturated: a full KV cache alone is not saturation by default",
+        filters.NotSaturated(),
+        lambda: [endpoint("a", telemetry=telemetry(kv_usage=1.0, waiting=5)), endpoint("b")],
+        {},
+        ["a", "b"],
     ),
     (
         "not_saturated: stale telemetry ignored",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -83,11 +84,14 @@ def test_shared_prefix_lands_on_one_engine_until_it_saturates_then_spills(start_
 
 
 class MetricsUpstream:
-    """A tiny engine: answers chat requests and serves vLLM metrics until told not to."""
+    """A tiny engine: answers chat requests and serves vLLM metrics (its `waiting` count and
+    `kv_usage`) until told not to."""
 
     def __init__(self) -> None:
         self.metrics_up = True
         self.requests = 0
+        self.waiting = 0
+        self.kv_usage = 0.0
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -102,7 +106,8 @@ class MetricsUpstream:
             status = 200 if self.metrics_up else 503
             body = (
                 b'vllm:num_requests_running{engine="0"} 0\n'
-                b'vllm:num_requests_waiting{engine="0"} 0\n'
+                b'vllm:num_requests_waiting{engine="0"} %d\n'
+                b'vllm:kv_cache_usage_perc{engine="0"} %f\n' % (self.waiting, self.kv_usage)
             )
         elif path == "/v1/models":
             body = orjson.dumps({"object": "list", "data": [{"id": "m1", "object": "model"}]})
@@ -175,3 +180,38 @@ def test_the_prefix_index_tables_are_out_of_the_garbage_collectors_reach(gateway
     assert len(tables) == len(app.fleet.endpoints)
     walked = {id(o) for generation in range(3) for o in gc.get_objects(generation=generation)}
     assert not any(id(table) in walked for table in tables)
+
+
+@pytest.mark.parametrize("max_kv_usage", [None, 0.9])
+def test_a_full_kv_cache_alone_holds_nothing_in_the_gateway(start_gateway, max_kv_usage):
+    """An engine whose KV cache is full queues what does not fit, and its waiting count shows
+    it; KV use read from a scrape up to an interval old would hold requests in the gateway
+    while the engine frees blocks every step. By default it saturates nothing; an operator's
+    threshold still holds requests until the reading falls."""
+    engine = MetricsUpstream()
+    engine.kv_usage = 0.99
+    with ServerThread(engine) as up:
+        routing: dict[str, Any] = {"scrape_interval": 0.1}
+        if max_kv_usage is not None:
+            routing["saturation"] = {"max_kv_usage": max_kv_usage}
+        app, server = start_gateway(gateway_config([up.url], routing=routing))
+        endpoint = app.fleet.endpoints[0]
+        _wait(lambda: endpoint.telemetry is not None and endpoint.telemetry.kv_usage > 0.98)
+        body = {"model": "m1", "messages": [{"role": "user", "content": "hello"}]}
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(
+                httpx.post, server.url + "/v1/chat/completions", json=body, timeout=30
+            )
+            if max_kv_usage is not None:
+                _wait(lambda: len(app.admission.queue) == 1)
+                assert engine.requests == 0  # held in the gateway
+                engine.kv_usage = 0.5
+            assert answer.result().status_code == 200
+        assert engine.requests == 1
+        waited = sample_value(
+            httpx.get(server.url + "/metrics").text,
+            "kvgate_admission_wait_seconds_count",
+            **{"class": "standard", "result": "admitted"},
+        )
+        assert waited == (None if max_kv_usage is None else 1.0)
+        assert len(app.admission.queue) == 0
