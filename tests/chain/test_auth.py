@@ -174,16 +174,15 @@ def test_no_secret_in_logs(keyed, caplog):
         assert secret not in text
 
 
-def test_unknown_id_and_wrong_secret_take_the_same_time():
-    """2,000 timed checks of each, interleaved in a seeded random order, measured in-process
-    (socket noise would swamp a difference of nanoseconds): a two-sample KS test cannot tell
-    the two latency distributions apart (p > 0.01).
+def _unknown_and_wrong_timings(seed: int) -> dict[str, list[int]]:
+    """2,000 timed checks each of an unknown id and a wrong secret, interleaved in a seeded
+    random order, measured in-process (socket noise would swamp a difference of nanoseconds).
 
     Every check presents a different key, copied into a fresh object just before it is timed,
     as a request's header is: a fixed key has timing of its own (where its digests fall in the
     dict), and keys made up front in pairs sit in memory in a pattern that alone makes the
     first of each pair measurably faster, whatever its category."""
-    rng = random.Random(16)
+    rng = random.Random(seed)
     alphabet = string.ascii_letters + string.digits + "-_"
 
     def secret() -> str:
@@ -210,9 +209,27 @@ def test_unknown_id_and_wrong_secret_take_the_same_time():
             timings[name].append(time.perf_counter_ns() - start)
     finally:
         gc.enable()
-    gap, p = ks_two_sample(timings["unknown"], timings["wrong"])
-    medians = {name: statistics.median(values) for name, values in timings.items()}
-    assert p > 0.01, f"KS D={gap:.3f} p={p:.4f}, medians {medians} ns"
+    return timings
+
+
+def test_unknown_id_and_wrong_secret_take_the_same_time():
+    """A two-sample KS test cannot tell the two latency distributions apart (p > 0.01), or
+    two independent measurements disagree on which is slower.
+
+    A test at p > 0.01 fails at least 1% of the time when there is no difference at all (a
+    single measurement failed 1 run in 36 here and once in CI, a different category slower
+    each time); CI must not. So a difference must be seen twice, in the same direction, to
+    fail: by chance 1 run in 20,000 at the nominal 1%, 1 in 2,500 at the rate seen here. A
+    real difference is seen every time (`test_ks_test_tells_a_one_hash_difference_apart`)."""
+    seen = []
+    for seed in (16, 17):
+        timings = _unknown_and_wrong_timings(seed)
+        gap, p = ks_two_sample(timings["unknown"], timings["wrong"])
+        if p > 0.01:
+            return
+        medians = {name: statistics.median(values) for name, values in timings.items()}
+        seen.append((max(medians, key=medians.__getitem__), f"KS D={gap:.3f} p={p:.4f}, {medians}"))
+    assert seen[0][0] != seen[1][0], f"{seen[0][0]} is slower twice: {seen}"
 
 
 def test_ks_test_tells_a_one_hash_difference_apart():
