@@ -194,9 +194,11 @@ def gateway_yaml(
     policy: str,
     events: list[str] | None = None,
     explain: bool = False,
+    max_kv_usage: float | None = None,
 ) -> str:
     """`events`: "pub,replay" per endpoint for precise routing (the sim tokenizer);
-    `explain`: answer `x-kvgate-explain: 1` from anyone."""
+    `explain`: answer `x-kvgate-explain: 1` from anyone; `max_kv_usage`: the KV use above
+    which an engine counts as saturated (`routing.saturation`; None: kvgate's default)."""
     entries = []
     for i, url in enumerate(urls):
         if events:
@@ -206,18 +208,21 @@ def gateway_yaml(
             entries.append(f'{{url: "{url}"}}')
     endpoints = ", ".join(entries)
     tokenizer = ", tokenizer: {kind: sim}" if events else ""
+    routing = ["explain: always"] if explain else []
+    if max_kv_usage is not None:
+        routing.append(f"saturation: {{max_kv_usage: {max_kv_usage}}}")
     return (
         f"server: {{host: 127.0.0.1, port: {port}, access_log: false}}\n"
         "auth: none\n"
         f"pools:\n  - {{name: sim, engine: vllm, models: [{MODEL}], policy: {policy}, "
         f"endpoints: [{endpoints}]{tokenizer}}}\n"
-        + ("routing: {explain: always}\n" if explain else "")
+        + (f"routing: {{{', '.join(routing)}}}\n" if routing else "")
     )
 
 
 @contextlib.contextmanager
 def front(
-    router: str, urls: list[str], workdir: Path, events: list[str], explain: bool
+    args: argparse.Namespace, router: str, urls: list[str], workdir: Path, events: list[str]
 ) -> Iterator[str]:
     """The router under test in front of the fleet at `urls`; yields its base URL."""
     if router == peer_router.NAME:
@@ -226,10 +231,11 @@ def front(
         return
     port = free_port()
     config = workdir / "gateway.yaml"
+    explain = args.cost_model
     if router == PRECISE:
-        config.write_text(gateway_yaml(port, urls, "kvgate", events, explain))
+        config.write_text(gateway_yaml(port, urls, "kvgate", events, explain, args.max_kv_usage))
     else:
-        config.write_text(gateway_yaml(port, urls, router, explain=explain))
+        config.write_text(gateway_yaml(port, urls, router, None, explain, args.max_kv_usage))
     with gateway(config, port):
         yield f"http://127.0.0.1:{port}"
 
@@ -273,7 +279,7 @@ def run_cell(args: argparse.Namespace, router: str, plans: list[Planned]) -> dic
         try:
             with (
                 sim_fleet(args, lag_file, router == PRECISE) as (urls, events),
-                front(router, urls, workdir, events, explain) as base,
+                front(args, router, urls, workdir, events) as base,
             ):
                 results, elapsed = asyncio.run(replay(base, plans, explain))
                 engine_stats = [httpx.get(u + "/sim/stats").json() for u in urls]
@@ -532,6 +538,12 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="kvgate columns explain every decision; print how well the cost model predicted "
         "each request's TTFT (cost_model_error.py)",
+    )
+    p.add_argument(
+        "--max-kv-usage",
+        type=float,
+        help="kvgate's routing.saturation.max_kv_usage (default: kvgate's own, 1.0: KV use "
+        "saturates nothing)",
     )
     p.add_argument("--serve-sim", action="store_true", help=argparse.SUPPRESS)
     p.add_argument(

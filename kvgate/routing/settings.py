@@ -46,7 +46,7 @@ class SaturationConfig(_Strict):
     azure cell at its capacity (4 engines of 1,400 blocks, 64.9 req/s): at 0.9 the gateway held
     146 and 324 of 600 requests (19 and 76 s of waiting in all) in two runs, and the queue ran
     away in 3 runs of 4 (TTFT p90 0.44 to 1.02 s); off, no request waited and p90 was 0.14 to
-    0.15 s in 4 runs of 4 (benchmarks/RESULTS.md). Set it below 1 only with telemetry far
+    0.16 s in 4 runs of 4 (benchmarks/RESULTS.md). Set it below 1 only with telemetry far
     fresher than one prefill."""
 
     max_waiting: float = Field(5, ge=0)
