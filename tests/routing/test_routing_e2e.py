@@ -84,13 +84,12 @@ def test_shared_prefix_lands_on_one_engine_until_it_saturates_then_spills(start_
 
 
 class MetricsUpstream:
-    """A tiny engine: answers chat requests and serves vLLM metrics (its `waiting` count and
+    """A tiny engine: answers chat requests and serves vLLM metrics (nothing waiting, its
     `kv_usage`) until told not to."""
 
     def __init__(self) -> None:
         self.metrics_up = True
         self.requests = 0
-        self.waiting = 0
         self.kv_usage = 0.0
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -106,8 +105,8 @@ class MetricsUpstream:
             status = 200 if self.metrics_up else 503
             body = (
                 b'vllm:num_requests_running{engine="0"} 0\n'
-                b'vllm:num_requests_waiting{engine="0"} %d\n'
-                b'vllm:kv_cache_usage_perc{engine="0"} %f\n' % (self.waiting, self.kv_usage)
+                b'vllm:num_requests_waiting{engine="0"} 0\n'
+                b'vllm:kv_cache_usage_perc{engine="0"} %f\n' % self.kv_usage
             )
         elif path == "/v1/models":
             body = orjson.dumps({"object": "list", "data": [{"id": "m1", "object": "model"}]})
