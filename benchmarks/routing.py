@@ -355,7 +355,8 @@ def gateway_slow_ttfts(metrics: str, seconds: float) -> float:
 
 
 def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Each figure's median over repeated runs of one cell; failures summed."""
+    """Each figure's median over repeated runs of one cell; failures summed; every run's TTFT
+    p90 kept too (a median hides a cell whose runs split between two outcomes)."""
     if any("unavailable" in run for run in runs):
         return next(run for run in runs if "unavailable" in run)
     out: dict[str, Any] = {}
@@ -372,6 +373,7 @@ def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
         else:
             out[key] = value
     out["repeats"] = len(runs)
+    out["ttft_p90_runs"] = [run["ttft_p90"] for run in runs]
     return out
 
 
