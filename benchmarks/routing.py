@@ -323,17 +323,20 @@ def run_cell(args: argparse.Namespace, router: str, plans: list[Planned]) -> dic
     }
 
 
+def metric_samples(metrics: str, name: str) -> Iterator[tuple[str, float]]:
+    """(labels, value) of every sample of the metric `name` in a /metrics text."""
+    for line in metrics.splitlines():
+        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
+            labels, _, value = line[len(name) :].rpartition(" ")
+            yield labels, float(value)
+
+
 def index_drift(metrics: str) -> float:
     """kvgate's prefix-index drift over the run, from its /metrics text: (predicted - cached
     tokens) ÷ predicted, summed over endpoints; NaN when nothing was predicted (a policy
     that does not route by prefix, or a peer router: no text)."""
-    totals = {"kvgate_prefix_predicted_tokens_total": 0.0, "kvgate_prefix_cached_tokens_total": 0.0}
-    for line in metrics.splitlines():
-        name = line.split("{", 1)[0]
-        if name in totals:
-            totals[name] += float(line.rsplit(" ", 1)[1])
-    predicted = totals["kvgate_prefix_predicted_tokens_total"]
-    cached = totals["kvgate_prefix_cached_tokens_total"]
+    predicted = sum(v for _, v in metric_samples(metrics, "kvgate_prefix_predicted_tokens_total"))
+    cached = sum(v for _, v in metric_samples(metrics, "kvgate_prefix_cached_tokens_total"))
     return (predicted - cached) / predicted if predicted else math.nan
 
 
@@ -342,16 +345,11 @@ def gateway_slow_ttfts(metrics: str, seconds: float) -> float:
     edge of `kvgate_time_to_first_token_seconds`), from its /metrics text; NaN without one.
     Set beside the client's own count it shows where slow first tokens were lost: a gap means
     the time was spent outside the gateway (the load generator or the sockets to it)."""
-    total = within = math.nan
-    for line in metrics.splitlines():
-        if not line.startswith("kvgate_time_to_first_token_seconds_bucket{"):
-            continue
-        value = float(line.rsplit(" ", 1)[1])
-        if 'le="+Inf"' in line:
-            total = value if math.isnan(total) else total + value
-        elif f'le="{seconds}"' in line:
-            within = value if math.isnan(within) else within + value
-    return total - within
+    buckets = list(metric_samples(metrics, "kvgate_time_to_first_token_seconds_bucket"))
+    if not buckets:
+        return math.nan
+    total = sum(v for labels, v in buckets if 'le="+Inf"' in labels)
+    return total - sum(v for labels, v in buckets if f'le="{seconds}"' in labels)
 
 
 def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
