@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -17,6 +18,25 @@ def _close_sdk_clients() -> Iterator[None]:
     """Every OpenAI SDK client a test made with `sdk_client` is closed when it ends."""
     yield
     close_sdk_clients()
+
+
+@pytest.fixture(autouse=True)
+def _restore_root_logging() -> Iterator[None]:
+    """A test that runs `kvgate.cli.main` configures the process's logging: its root handler
+    writes to that test's captured stderr, which pytest closes when the test ends. Later tests
+    would log into the closed stream (logging prints a traceback instead of the line), so the
+    root logger's handlers and level are put back after every test."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    for handler in root.handlers[:]:
+        if handler not in handlers:
+            root.removeHandler(handler)
+            handler.close()
+    for handler in handlers:
+        if handler not in root.handlers:
+            root.addHandler(handler)
+    root.setLevel(level)
 
 
 @pytest.fixture
