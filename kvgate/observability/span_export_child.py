@@ -36,6 +36,7 @@ log = logging.getLogger("kvgate.tracing")
 # The SDK batch processor's default export batch size.
 MAX_BATCH = 512
 _READ_BYTES = 1 << 20
+# Where the SCHED_IDLE policy does not exist (not Linux) or is refused.
 NICE = 10
 
 
@@ -44,9 +45,7 @@ def main(settings: dict[str, object], ack_fd: int) -> None:
     # ends this process by closing the pipe once everything is sent (or by dying).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    # Export is background work: on busy cores the gateway serving requests goes first (what
-    # cannot keep up is dropped and counted by the gateway).
-    os.nice(NICE)
+    _run_when_idle()
     os.set_inheritable(ack_fd, False)  # whatever an exporter may start must not hold it open
     endpoint = settings["endpoint"]
     assert endpoint is None or isinstance(endpoint, str)
@@ -89,6 +88,17 @@ def main(settings: dict[str, object], ack_fd: int) -> None:
     handled.add(len(spans))
     for exporter in exporters:
         exporter.shutdown()
+
+
+def _run_when_idle() -> None:
+    """Export is background work: it runs on CPU time that serving leaves over. Under
+    Linux's SCHED_IDLE policy any ordinary thread that wakes up on a core this process is using
+    takes the core at once, and this process gets what is left (what cannot keep up is dropped
+    and counted by the gateway); where the policy is missing, nice 10 instead."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        os.nice(NICE)
 
 
 class _Handled:

@@ -193,6 +193,25 @@ async def _until(condition: Callable[[], object]) -> None:
         await asyncio.sleep(0.01)
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling policy")
+def test_the_exporter_process_runs_on_cpu_time_serving_leaves_over_and_still_delivers():
+    async def scenario(endpoint: str) -> int:
+        export = ExporterProcess(_settings(endpoint), lambda spans: None)
+        await export.start()
+        pid = export.pid
+        assert pid is not None
+        await _until(lambda: os.sched_getscheduler(pid) == os.SCHED_IDLE)
+        for number in range(50):
+            export.send(_trace(number))
+        await export.stop()
+        return export.dropped
+
+    with OtlpCollector() as collector:
+        dropped = asyncio.run(scenario(collector.endpoint))
+        received = collector.spans
+    assert dropped == 0 and len(received) == 100
+
+
 def test_a_killed_exporter_process_is_restarted_and_the_traces_sent_meanwhile_arrive(caplog):
     """What the dead process had been sent and not exported is dropped and counted; what was
     sent while it was down goes to the next one; stopping after the restart flushes."""
