@@ -70,6 +70,7 @@ import precise_cost
 import routing_report
 from cache_ideals import cache_ideals
 from chat_stream import Streamed, client_session, stream_chat
+from prometheus_client.parser import text_string_to_metric_families
 from routing_report import SLOW_TTFT_SECONDS, Row
 from services import (
     BENCH_DIR,
@@ -231,11 +232,10 @@ def front(
         return
     port = free_port()
     config = workdir / "gateway.yaml"
-    explain = args.cost_model
-    if router == PRECISE:
-        config.write_text(gateway_yaml(port, urls, "kvgate", events, explain, args.max_kv_usage))
-    else:
-        config.write_text(gateway_yaml(port, urls, router, None, explain, args.max_kv_usage))
+    policy, published = ("kvgate", events) if router == PRECISE else (router, None)
+    config.write_text(
+        gateway_yaml(port, urls, policy, published, args.cost_model, args.max_kv_usage)
+    )
     with gateway(config, port):
         yield f"http://127.0.0.1:{port}"
 
@@ -323,12 +323,12 @@ def run_cell(args: argparse.Namespace, router: str, plans: list[Planned]) -> dic
     }
 
 
-def metric_samples(metrics: str, name: str) -> Iterator[tuple[str, float]]:
-    """(labels, value) of every sample of the metric `name` in a /metrics text."""
-    for line in metrics.splitlines():
-        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
-            labels, _, value = line[len(name) :].rpartition(" ")
-            yield labels, float(value)
+def metric_samples(metrics: str, name: str) -> Iterator[tuple[dict[str, str], float]]:
+    """(labels, value) of every sample called `name` in a /metrics text."""
+    for family in text_string_to_metric_families(metrics):
+        for sample in family.samples:
+            if sample.name == name:
+                yield sample.labels, sample.value
 
 
 def index_drift(metrics: str) -> float:
@@ -348,8 +348,8 @@ def gateway_slow_ttfts(metrics: str, seconds: float) -> float:
     buckets = list(metric_samples(metrics, "kvgate_time_to_first_token_seconds_bucket"))
     if not buckets:
         return math.nan
-    total = sum(v for labels, v in buckets if 'le="+Inf"' in labels)
-    return total - sum(v for labels, v in buckets if f'le="{seconds}"' in labels)
+    total = sum(v for labels, v in buckets if labels["le"] == "+Inf")
+    return total - sum(v for labels, v in buckets if float(labels["le"]) == seconds)
 
 
 def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
