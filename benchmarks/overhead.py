@@ -33,6 +33,10 @@ p99 stays under 10 ms, with the CPU of all its processes.
 
 `--baseline DIR` measures a lever the same way: the kvgate of source tree DIR (the code
 without the lever: `git archive main | tar -x -C DIR`) beside this tree's, rows only.
+
+`--floor` measures instead what of kvgate's added latency is its stack and what its request
+chain: benchmarks/passthrough_proxy.py (the same uvicorn server and upstream client, joined by
+nothing but a body read and a relay) beside kvgate, rows only.
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ DIRECT = "direct"
 KVGATE = "kvgate"
 KVGATE_TRACED = "kvgate+tracing"
 KVGATE_BASELINE = "kvgate baseline"
+PASSTHROUGH = "pass-through"
 TRACING_TARGET = 0.05  # tracing may add this share of kvgate's added latency
 SGLANG = "sglang-router"
 LAG_LIMIT_MS = 5.0  # generator send lag p99 above this: the instrument is the limit
@@ -737,6 +742,31 @@ def baseline_report(settings: Settings, baseline: Path, rows: dict[str, list[Run
 
 
 @contextmanager
+def floor_gateways(tmp: Path, upstream_url: str) -> Iterator[dict[str, Gateway]]:
+    """benchmarks/passthrough_proxy.py, kvgate and sglang-router, all in front of
+    `upstream_url`, until the block ends."""
+    with ExitStack() as stack:
+        port = services.free_port()
+        proxy = [str(services.BENCH_DIR / "passthrough_proxy.py"), "--port", str(port)]
+        proc = stack.enter_context(
+            services.service([*proxy, "--upstream", upstream_url], port, "/health")
+        )
+        running = {PASSTHROUGH: Gateway(f"http://127.0.0.1:{port}/v1/chat/completions", proc.pid)}
+        running |= stack.enter_context(gateways(tmp, "floor", upstream_url))
+        yield running
+
+
+def floor_report(settings: Settings, rows: dict[str, list[Run]]) -> str:
+    lead = (
+        "kvgate beside a pass-through proxy on kvgate's own stack (the same uvicorn server and "
+        "upstream client, nothing between them: benchmarks/passthrough_proxy.py), and "
+        "sglang-router. All figures in ms; pass-through → kvgate (share of the pass-through's)."
+    )
+    runs, head = side_by_side(settings, lead, rows, PASSTHROUGH, KVGATE)
+    return "\n\n".join([*head, *tables(rows, runs)]) + "\n"
+
+
+@contextmanager
 def worker_gateway(
     tmp: Path, upstream_url: str, workers: int, redis_url: str
 ) -> Iterator[dict[str, Gateway]]:
@@ -881,6 +911,12 @@ def parse_args() -> argparse.Namespace:
         help="measure a lever instead: beside this tree's kvgate, the kvgate of this source "
         "tree (e.g. `git archive main | tar -x -C DIR`), rows only",
     )
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="measure instead kvgate beside a pass-through proxy on its own server and client "
+        "(what its stack costs, what its request chain adds), rows only",
+    )
     parser.add_argument("--output", type=Path, help="also write the Markdown here")
     args = parser.parse_args()
     if args.quick:
@@ -914,6 +950,15 @@ def main() -> int:
                 rows = {m: [bench.measure(rate, m) for rate in args.rates] for m in MODES}
             text = tracing_report(settings, args.tracing, args.tracing_ratio, rows)
             return _finish(text, args, started)
+        if args.floor:
+            with (
+                services.fast_upstream(up_port, args.chunks, args.gap_ms),
+                floor_gateways(tmp, upstream_url) as running,
+            ):
+                bench = Bench(upstream_url + "/v1/chat/completions", running, settings)
+                bench.settle(min(args.rates))
+                rows = {m: [bench.measure(rate, m) for rate in args.rates] for m in MODES}
+            return _finish(floor_report(settings, rows), args, started)
         if args.baseline is not None:
             with (
                 services.fast_upstream(up_port, args.chunks, args.gap_ms),
