@@ -1,8 +1,11 @@
 """A minimal, fast OpenAI-compatible upstream for gateway benchmarks (raw ASGI on uvicorn).
 
     .venv/bin/python benchmarks/fast_upstream.py --port 9001 [--chunks 10] [--gap-ms 2]
+        [--answer-logprobs 500]
 
-Routes: `POST /v1/chat/completions` (non-stream: a small JSON answer with usage; stream: N SSE
+Routes: `POST /v1/chat/completions` (non-stream: a small JSON answer with usage, or with
+`--answer-logprobs N` one of N tokens each with five top log-probabilities, about 300 bytes a
+token, as vLLM answers `logprobs: true, top_logprobs: 5`; stream: N SSE
 chunks then `data: [DONE]`), `GET /health`, `GET /v1/models` (model `bench-model`), `GET
 /metrics` (a minimal vLLM-style exposition: requests in flight as `vllm:num_requests_running`,
 nothing waiting, an empty KV cache, so the gateway's telemetry scraper sees a normal idle
@@ -45,6 +48,33 @@ _COMPLETION = orjson.dumps(
         "usage": {"prompt_tokens": 8, "completion_tokens": 1, "total_tokens": 9},
     }
 )
+
+
+def logprobs_completion(tokens: int) -> bytes:
+    """A chat answer of `tokens` tokens with five top log-probabilities each, usage last."""
+    top = [{"token": f" a{j}", "logprob": -1.25 * j, "bytes": [32, 97, 48 + j]} for j in range(5)]
+    content = [
+        {"token": " tok", "logprob": -0.125, "bytes": [32, 116, 111, 107], "top_logprobs": top}
+        for _ in range(tokens)
+    ]
+    message = {"role": "assistant", "content": " tok" * tokens}
+    choice = {"index": 0, "message": message, "logprobs": {"content": content}}
+    return orjson.dumps(
+        {
+            "id": "bench-0",
+            "object": "chat.completion",
+            "created": 0,
+            "model": MODEL,
+            "choices": [choice | {"finish_reason": "length"}],
+            "usage": {
+                "prompt_tokens": 8,
+                "completion_tokens": tokens,
+                "total_tokens": 8 + tokens,
+            },
+        }
+    )
+
+
 _MODELS = orjson.dumps(
     {
         "object": "list",
@@ -78,11 +108,13 @@ _PROMETHEUS = [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]
 
 
 class FastUpstream:
-    """Raw ASGI app; `chunks` content events (the last carries usage), `gap` seconds apart."""
+    """Raw ASGI app; `chunks` content events (the last carries usage), `gap` seconds apart;
+    `answer`: the non-stream answer."""
 
-    def __init__(self, chunks: int, gap: float) -> None:
+    def __init__(self, chunks: int, gap: float, answer: bytes = _COMPLETION) -> None:
         self.chunks = chunks
         self.gap = gap
+        self.answer = answer
         self.inflight = 0
 
     async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
@@ -99,7 +131,7 @@ class FastUpstream:
                     chunks, gap = self._shape(scope["headers"])
                     await _stream(send, chunks, gap)
                 else:
-                    await _respond(send, 200, _COMPLETION)
+                    await _respond(send, 200, self.answer)
             finally:
                 self.inflight -= 1
         elif path == "/health":
@@ -163,9 +195,16 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--chunks", type=int, default=10, help="content events per stream")
     parser.add_argument("--gap-ms", type=float, default=2.0, help="gap between stream events")
+    parser.add_argument(
+        "--answer-logprobs",
+        type=int,
+        default=0,
+        help="non-stream answers of this many tokens with log-probabilities (0: a small answer)",
+    )
     args = parser.parse_args()
+    answer = logprobs_completion(args.answer_logprobs) if args.answer_logprobs else _COMPLETION
     uvicorn.run(
-        FastUpstream(args.chunks, args.gap_ms / 1000),
+        FastUpstream(args.chunks, args.gap_ms / 1000, answer),
         host="127.0.0.1",
         port=args.port,
         loop="uvloop",

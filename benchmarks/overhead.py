@@ -94,6 +94,7 @@ class Settings:
     rounds: int
     chunks: int
     gap_ms: float
+    answer_logprobs: int = 0
 
 
 def _key(mode: str) -> str:
@@ -529,6 +530,16 @@ class Results:
     missing: dict[str, str]
 
 
+def answers_note(settings: Settings) -> str:
+    """What the non-stream answers were, when not the usual small one."""
+    if not settings.answer_logprobs:
+        return ""
+    return (
+        f" Non-stream answers: {settings.answer_logprobs} tokens with five top log-probabilities "
+        "each (fast_upstream.py --answer-logprobs)."
+    )
+
+
 def report(settings: Settings, results: Results) -> str:
     s = settings
     all_runs = [r for runs in results.rows.values() for r in runs]
@@ -538,7 +549,7 @@ def report(settings: Settings, results: Results) -> str:
         f"target per row ({s.rounds} ABBA rounds, {s.warmup:g} s warm-up each, discarded); "
         f"stream = {s.chunks} events {s.gap_ms:g} ms apart + [DONE]. All figures in ms; "
         "added = target - direct at the same percentile; CPU ms/req = the gateway process's "
-        "CPU time (user + system, all threads) over the requests sent to it.",
+        f"CPU time (user + system, all threads) over the requests sent to it.{answers_note(s)}",
         peers_line(results.missing),
         "### Non-streaming",
         unary_table(results.rows["unary"]),
@@ -688,7 +699,7 @@ def side_by_side(
     method = (
         f"Poisson arrivals; {s.duration:g} s measured per target per row ({s.rounds} ABBA "
         f"rounds, {s.warmup:g} s warm-up each, discarded); stream = {s.chunks} events "
-        f"{s.gap_ms:g} ms apart + [DONE]."
+        f"{s.gap_ms:g} ms apart + [DONE].{answers_note(s)}"
     )
     return runs, [f"{lead} {method}", comparison_lines(runs, before, after)]
 
@@ -838,7 +849,7 @@ def h2load_search(tmp: Path, args: argparse.Namespace, settings: Settings) -> st
     up_port = services.free_port()
     upstream_url = f"http://127.0.0.1:{up_port}"
     with (
-        services.fast_upstream(up_port, args.chunks, args.gap_ms),
+        services.fast_upstream(up_port, args.chunks, args.gap_ms, args.answer_logprobs),
         gateways(tmp, "h2load", upstream_url) as running,
     ):
         bench = Bench(upstream_url + "/v1/chat/completions", running, settings)
@@ -880,6 +891,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2, help="ABBA rounds per row")
     parser.add_argument("--chunks", type=int, default=8, help="stream events per response")
     parser.add_argument("--gap-ms", type=float, default=2.0, help="gap between stream events")
+    parser.add_argument(
+        "--answer-logprobs",
+        type=int,
+        default=0,
+        help="non-stream answers of this many tokens with log-probabilities (about 300 bytes a "
+        "token) instead of a small one",
+    )
     parser.add_argument("--prompt-rate", type=int, default=20, help="req/s of 100k prompts")
     parser.add_argument("--streams", type=int, default=1000, help="streams held open")
     parser.add_argument(
@@ -929,7 +947,9 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
-    settings = Settings(args.duration, args.warmup, args.rounds, args.chunks, args.gap_ms)
+    settings = Settings(
+        args.duration, args.warmup, args.rounds, args.chunks, args.gap_ms, args.answer_logprobs
+    )
     up_port = services.free_port()
     upstream_url = f"http://127.0.0.1:{up_port}"
     started = time.monotonic()
@@ -942,7 +962,7 @@ def main() -> int:
             return _finish(h2load_search(tmp, args, settings), args, started)
         if args.tracing != "none":
             with (
-                services.fast_upstream(up_port, args.chunks, args.gap_ms),
+                services.fast_upstream(up_port, args.chunks, args.gap_ms, args.answer_logprobs),
                 traced_gateways(tmp, upstream_url, args.tracing, args.tracing_ratio) as running,
             ):
                 bench = Bench(upstream_url + "/v1/chat/completions", running, settings)
@@ -952,7 +972,7 @@ def main() -> int:
             return _finish(text, args, started)
         if args.floor:
             with (
-                services.fast_upstream(up_port, args.chunks, args.gap_ms),
+                services.fast_upstream(up_port, args.chunks, args.gap_ms, args.answer_logprobs),
                 floor_gateways(tmp, upstream_url) as running,
             ):
                 bench = Bench(upstream_url + "/v1/chat/completions", running, settings)
@@ -961,7 +981,7 @@ def main() -> int:
             return _finish(floor_report(settings, rows), args, started)
         if args.baseline is not None:
             with (
-                services.fast_upstream(up_port, args.chunks, args.gap_ms),
+                services.fast_upstream(up_port, args.chunks, args.gap_ms, args.answer_logprobs),
                 baseline_gateways(tmp, upstream_url, args.baseline.resolve()) as running,
             ):
                 bench = Bench(upstream_url + "/v1/chat/completions", running, settings)
@@ -969,7 +989,7 @@ def main() -> int:
                 rows = {m: [bench.measure(rate, m) for rate in args.rates] for m in MODES}
             return _finish(baseline_report(settings, args.baseline, rows), args, started)
         with (
-            services.fast_upstream(up_port, args.chunks, args.gap_ms),
+            services.fast_upstream(up_port, args.chunks, args.gap_ms, args.answer_logprobs),
             gateways(tmp, "bench", upstream_url) as running,
         ):
             bench = Bench(upstream_url + "/v1/chat/completions", running, settings)

@@ -88,7 +88,7 @@ def service(
 
 
 def fast_upstream(
-    port: int, chunks: int, gap_ms: float
+    port: int, chunks: int, gap_ms: float, answer_logprobs: int = 0
 ) -> contextlib.AbstractContextManager[subprocess.Popen[bytes]]:
     return service(
         [
@@ -99,6 +99,8 @@ def fast_upstream(
             str(chunks),
             "--gap-ms",
             str(gap_ms),
+            "--answer-logprobs",
+            str(answer_logprobs),
         ],
         port,
         "/health",

@@ -27,6 +27,7 @@ class Script:
     close_after_chunks: int | None = None
     hang: bool = False
     content_type: bytes = b"text/event-stream"
+    answer_body: bytes | None = None  # a non-stream answer's bytes, instead of a built one
     extra_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
 
 
@@ -115,7 +116,8 @@ class ScriptedUpstream:
             await _reply(send, script.status, body, script.extra_headers)
             return
         if not payload.get("stream"):
-            await _reply(send, 200, orjson.dumps(_completion(payload)), script.extra_headers)
+            body = script.answer_body or orjson.dumps(_completion(payload))
+            await _reply(send, 200, body, script.extra_headers)
             return
         await send(
             {

@@ -16,7 +16,6 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
 
 import orjson
 
@@ -31,6 +30,7 @@ from kvgate.errors import (
 from kvgate.request_options import ENDPOINT, REQUEST_ID
 from kvgate.routing.endpoints import Endpoint
 from kvgate.types import Headers, RequestContext
+from kvgate.upstream.answer_usage import answer_usage
 from kvgate.upstream.attempts import judge
 from kvgate.upstream.failures import Phase, attempt_failure
 from kvgate.upstream.headers import upstream_headers
@@ -187,11 +187,13 @@ class AttemptRelay:
                     code="upstream_malformed_body",
                 )
             ctx.status = response.status
-            ctx.usage, ctx.response_model = _answer_usage(body)
             ctx.responded = True
-            await send_bytes(
-                send, response.status, body, content_type.encode(), _response_headers(ctx)
-            )
+            try:
+                await send_bytes(
+                    send, response.status, body, content_type.encode(), _response_headers(ctx)
+                )
+            finally:  # the answer does not wait for the accounting; a client gone still pays
+                ctx.usage, ctx.response_model = answer_usage(body)
 
     async def _expect_stream(self, response: UpstreamResponse) -> None:
         """Raise the engine's error unless `response` is a 200 event stream."""
@@ -336,22 +338,6 @@ def _event_error(error: dict[str, object]) -> UpstreamError:
     code = error.get("code")
     status = code if isinstance(code, int) and 400 <= code <= 599 else 502
     return upstream_error_from_body(status, orjson.dumps({"error": error}))
-
-
-def _answer_usage(body: bytes) -> tuple[dict[str, Any] | None, str | None]:
-    """The `usage` of a non-stream answer, for quota settlement, and the `model` it names
-    (parsed only if a usage is present)."""
-    if b'"usage"' not in body:
-        return None, None
-    try:
-        parsed = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return None, None
-    if not isinstance(parsed, dict):
-        return None, None
-    usage = parsed.get("usage")
-    model = parsed.get("model")
-    return (usage if isinstance(usage, dict) else None), (model if isinstance(model, str) else None)
 
 
 def _response_headers(ctx: RequestContext) -> Headers:

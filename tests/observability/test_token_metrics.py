@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import httpx
+import orjson
 
 from kvgate.sim import EngineOptions, SimFleet
 from tests.conftest import gateway_config
@@ -66,3 +67,58 @@ def test_token_counters_match_the_usage_answered(start_gateway):
             text, "kvgate_time_to_first_token_seconds_bucket", route="chat", le=edge
         )
         assert bucket is not None, f"no TTFT bucket at {edge} s"
+
+
+def test_a_large_answer_is_relayed_byte_for_byte_and_its_usage_counted(upstream, gateway):
+    """A 150 KB answer with log-probabilities: the gateway reads its usage from the usage
+    object alone (kvgate/upstream/answer_usage.py) and after the answer has been sent."""
+    engine, _ = upstream
+    _, server = gateway
+    top = [{"token": f"a{j}", "logprob": -1.5 * j, "bytes": [97]} for j in range(5)]
+    tokens = [
+        {"token": f"t{i}", "logprob": -0.25, "bytes": [116], "top_logprobs": top}
+        for i in range(500)
+    ]
+    usage = {
+        "prompt_tokens": 812,
+        "total_tokens": 1312,
+        "completion_tokens": 500,
+        "prompt_tokens_details": {"cached_tokens": 640},
+    }
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": "tok " * 500},
+        "logprobs": {"content": tokens},
+        "finish_reason": "length",
+    }
+    body = orjson.dumps(
+        {
+            "id": "c-1",
+            "object": "chat.completion",
+            "model": "m1",
+            "choices": [choice],
+            "usage": usage,
+        }
+    )
+    assert len(body) > 100_000
+    engine.script.answer_body = body
+    response = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={
+            "model": "m1",
+            "logprobs": True,
+            "top_logprobs": 5,
+            "messages": [{"role": "user", "content": "hi"}],
+        },
+        timeout=10,
+    )
+    assert response.status_code == 200 and response.content == body
+    labels = {"tenant": "anonymous", "model": "m1", "pool": "default"}
+    deadline = time.monotonic() + 5
+    while True:  # settled just after the answer
+        text = httpx.get(server.url + "/metrics", timeout=5).text
+        counted = [sample_value(text, name, **labels) for name in _COUNTERS]
+        if counted == [812, 500, 640] or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    assert counted == [812, 500, 640]
