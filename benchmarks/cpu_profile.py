@@ -1,7 +1,7 @@
 """Where a gateway's CPU goes per request: py-spy samples of kvgate under open-loop load, by part.
 
     flock /tmp/kvgate-bench.lock .venv/bin/python benchmarks/cpu_profile.py [--rate 300]
-        [--duration 40] [--sample-rate 100] [--stream] [--top 15]
+        [--duration 40] [--sample-rate 100] [--stream] [--answer-logprobs N] [--top 15]
 
 kvgate (`kvgate serve`, one worker, default policy) behind benchmarks/fast_upstream.py, loaded
 by benchmarks/loadgen.py at `--rate`; py-spy (the `bench` extra) samples the gateway process
@@ -129,7 +129,7 @@ def main() -> int:
     up_port, gw_port = services.free_port(), services.free_port()
     with (
         tempfile.TemporaryDirectory() as tmp_name,
-        services.fast_upstream(up_port, args.chunks, 2.0),
+        services.fast_upstream(up_port, args.chunks, 2.0, args.answer_logprobs),
     ):
         tmp = Path(tmp_name)
         config = tmp / "kvgate.yaml"
@@ -191,6 +191,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--duration", type=float, default=40.0, help="seconds sampled")
     parser.add_argument("--sample-rate", type=int, default=100, help="py-spy samples per s")
     parser.add_argument("--stream", action="store_true")
+    parser.add_argument(
+        "--answer-logprobs",
+        type=int,
+        default=0,
+        help="non-stream answers of this many tokens with log-probabilities (fast_upstream.py)",
+    )
     parser.add_argument("--chunks", type=int, default=8, help="stream events per response")
     parser.add_argument("--top", type=int, default=15, help="kvgate functions listed")
     parser.add_argument("--samples", type=Path, help="also keep py-spy's raw samples here")

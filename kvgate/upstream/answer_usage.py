@@ -32,19 +32,22 @@ _MODEL = re.compile(rb'"model"\s*:\s*"([^"\\]{0,512})"')
 def answer_usage(body: bytes) -> tuple[dict[str, Any] | None, str | None]:
     """The `usage` of a non-stream answer, for quota settlement, and the `model` it names
     (looked for only if a usage is present)."""
-    if _USAGE_KEY not in body:
+    # Searched from the end, where engines write it: a forward search of a 150 KB answer with
+    # log-probabilities (quotes everywhere) took 120 µs, this one under a microsecond.
+    key = body.rfind(_USAGE_KEY)
+    if key < 0:
         return None, None
     if len(body) > WHOLE_DECODE_BYTES:
-        usage = _usage_object(body)
+        usage = _usage_object(body, key)
         if usage is not None:
             model = _MODEL.search(body)
             return usage, None if model is None else model.group(1).decode()
     return _decoded(body)
 
 
-def _usage_object(body: bytes) -> dict[str, Any] | None:
-    """The object after the last `"usage":` key, or None when it is not found as expected."""
-    key = body.rfind(_USAGE_KEY)
+def _usage_object(body: bytes, key: int) -> dict[str, Any] | None:
+    """The object after the `"usage"` at `key` (the last in `body`), or None when that is not
+    a key followed by an object."""
     colon = _AFTER_KEY.match(body, key + len(_USAGE_KEY))
     if colon is None or body[colon.end() : colon.end() + 1] != b"{":
         return None
