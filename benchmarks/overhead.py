@@ -37,6 +37,9 @@ without the lever: `git archive main | tar -x -C DIR`) beside this tree's, rows 
 `--floor` measures instead what of kvgate's added latency is its stack and what its request
 chain: benchmarks/passthrough_proxy.py (the same uvicorn server and upstream client, joined by
 nothing but a body read and a relay) beside kvgate, rows only.
+
+`--answer-logprobs N` (with any of the above) makes the upstream's non-stream answers N tokens
+with five top log-probabilities each (about 300 bytes a token) instead of a small one.
 """
 
 from __future__ import annotations

@@ -219,3 +219,47 @@ async def _reply(
         }
     )
     await send({"type": "http.response.body", "body": body})
+
+
+# The usage of `chat_answer`'s answers.
+USAGE = {
+    "prompt_tokens": 812,
+    "total_tokens": 1312,
+    "completion_tokens": 500,
+    "prompt_tokens_details": {"cached_tokens": 640},
+}
+
+
+def chat_answer(
+    content: str, usage: Any = USAGE, logprobs: int = 0, model: str = "served-model", **after: Any
+) -> bytes:
+    """A vLLM-shaped non-stream chat answer: `logprobs` tokens with five top log-probabilities
+    each, `usage` after the choices, `after` after `usage`."""
+    tokens = [
+        {
+            "token": f"t{i}",
+            "logprob": -0.25 * i,
+            "bytes": [116, 48 + i % 10],
+            "top_logprobs": [
+                {"token": f"a{j}", "logprob": -1.5 * j, "bytes": [97]} for j in range(5)
+            ],
+        }
+        for i in range(logprobs)
+    ]
+    body = {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "created": 1,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": content},
+                "logprobs": {"content": tokens} if tokens else None,
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": usage,
+        **after,
+    }
+    return orjson.dumps(body)

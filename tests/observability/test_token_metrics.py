@@ -5,13 +5,13 @@ from __future__ import annotations
 import time
 
 import httpx
-import orjson
 
 from kvgate.sim import EngineOptions, SimFleet
 from tests.conftest import gateway_config
 from tests.metrics_text import sample_value
 from tests.observability.serving import KEY, SECRET, digest
 from tests.sdk_clients import sdk_client
+from tests.upstreams import USAGE, chat_answer
 
 _COUNTERS = (
     "kvgate_prompt_tokens_total",
@@ -74,32 +74,7 @@ def test_a_large_answer_is_relayed_byte_for_byte_and_its_usage_counted(upstream,
     object alone (kvgate/upstream/answer_usage.py) and after the answer has been sent."""
     engine, _ = upstream
     _, server = gateway
-    top = [{"token": f"a{j}", "logprob": -1.5 * j, "bytes": [97]} for j in range(5)]
-    tokens = [
-        {"token": f"t{i}", "logprob": -0.25, "bytes": [116], "top_logprobs": top}
-        for i in range(500)
-    ]
-    usage = {
-        "prompt_tokens": 812,
-        "total_tokens": 1312,
-        "completion_tokens": 500,
-        "prompt_tokens_details": {"cached_tokens": 640},
-    }
-    choice = {
-        "index": 0,
-        "message": {"role": "assistant", "content": "tok " * 500},
-        "logprobs": {"content": tokens},
-        "finish_reason": "length",
-    }
-    body = orjson.dumps(
-        {
-            "id": "c-1",
-            "object": "chat.completion",
-            "model": "m1",
-            "choices": [choice],
-            "usage": usage,
-        }
-    )
+    body = chat_answer("tok " * 500, logprobs=500, model="m1")
     assert len(body) > 100_000
     engine.script.answer_body = body
     response = httpx.post(
@@ -114,11 +89,13 @@ def test_a_large_answer_is_relayed_byte_for_byte_and_its_usage_counted(upstream,
     )
     assert response.status_code == 200 and response.content == body
     labels = {"tenant": "anonymous", "model": "m1", "pool": "default"}
+    cached = USAGE["prompt_tokens_details"]["cached_tokens"]
+    expected = [USAGE["prompt_tokens"], USAGE["completion_tokens"], cached]
     deadline = time.monotonic() + 5
     while True:  # settled just after the answer
         text = httpx.get(server.url + "/metrics", timeout=5).text
         counted = [sample_value(text, name, **labels) for name in _COUNTERS]
-        if counted == [812, 500, 640] or time.monotonic() > deadline:
+        if counted == expected or time.monotonic() > deadline:
             break
         time.sleep(0.02)
-    assert counted == [812, 500, 640]
+    assert counted == expected

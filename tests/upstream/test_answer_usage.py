@@ -10,45 +10,7 @@ import orjson
 import pytest
 
 from kvgate.upstream.answer_usage import WHOLE_DECODE_BYTES, answer_usage
-
-USAGE = {
-    "prompt_tokens": 812,
-    "total_tokens": 1312,
-    "completion_tokens": 500,
-    "prompt_tokens_details": {"cached_tokens": 640},
-}
-
-
-def answer(content: str, usage: Any = USAGE, logprobs: int = 0, **after: Any) -> bytes:
-    """A vLLM-shaped chat answer: `usage` after the choices, `after` after `usage`."""
-    tokens = [
-        {
-            "token": f"t{i}",
-            "logprob": -0.25 * i,
-            "bytes": [116, 48 + i % 10],
-            "top_logprobs": [
-                {"token": f"a{j}", "logprob": -1.5 * j, "bytes": [97]} for j in range(5)
-            ],
-        }
-        for i in range(logprobs)
-    ]
-    body = {
-        "id": "chatcmpl-1",
-        "object": "chat.completion",
-        "created": 1,
-        "model": "served-model",
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": content},
-                "logprobs": {"content": tokens} if tokens else None,
-                "finish_reason": "stop",
-            }
-        ],
-        "usage": usage,
-        **after,
-    }
-    return orjson.dumps(body)
+from tests.upstreams import USAGE, chat_answer
 
 
 def whole(body: bytes) -> tuple[Any, Any]:
@@ -58,13 +20,13 @@ def whole(body: bytes) -> tuple[Any, Any]:
 
 
 def test_a_large_answer_with_logprobs_gives_its_usage_and_model() -> None:
-    body = answer("tok " * 500, logprobs=500)
+    body = chat_answer("tok " * 500, logprobs=500)
     assert len(body) > 100_000
     assert answer_usage(body) == (USAGE, "served-model")
 
 
 def test_a_small_answer_is_decoded_whole() -> None:
-    body = answer("ok")
+    body = chat_answer("ok")
     assert len(body) < WHOLE_DECODE_BYTES
     assert answer_usage(body) == (USAGE, "served-model")
 
@@ -79,20 +41,20 @@ def test_a_small_answer_is_decoded_whole() -> None:
     ],
 )
 def test_text_that_looks_like_json_inside_the_content_is_not_taken_for_it(content: str) -> None:
-    body = answer(content + " pad" * WHOLE_DECODE_BYTES)
+    body = chat_answer(content + " pad" * WHOLE_DECODE_BYTES)
     assert answer_usage(body) == (USAGE, "served-model")
 
 
-def test_a_usage_string_after_the_key_falls_back_to_decoding_the_whole_answer() -> None:
+def test_a_usage_string_after_the_key_falls_back_to_decoding_the_whole_chat_answer() -> None:
     # vLLM's prompt_logprobs come after usage; a decoded token may be the word itself.
     after = {"prompt_logprobs": [None, {"17": {"logprob": -1.0, "decoded_token": "usage"}}]}
-    body = answer("x" * 2 * WHOLE_DECODE_BYTES, **after)
+    body = chat_answer("x" * 2 * WHOLE_DECODE_BYTES, **after)
     assert body.rfind(b'"usage"') > body.find(b'"usage":')
     assert answer_usage(body) == (USAGE, "served-model")
 
 
 def test_no_usage_or_a_null_one_gives_none() -> None:
-    assert answer_usage(answer("x" * 2 * WHOLE_DECODE_BYTES, usage=None)) == (
+    assert answer_usage(chat_answer("x" * 2 * WHOLE_DECODE_BYTES, usage=None)) == (
         None,
         "served-model",
     )
@@ -101,7 +63,7 @@ def test_no_usage_or_a_null_one_gives_none() -> None:
 
 
 def test_an_answer_cut_short_inside_its_usage_gives_none() -> None:
-    body = answer("x" * 2 * WHOLE_DECODE_BYTES)
+    body = chat_answer("x" * 2 * WHOLE_DECODE_BYTES)
     cut = body[: body.rfind(b"}", 0, len(body) - 1)]
     assert answer_usage(cut) == (None, None)
 
@@ -123,5 +85,7 @@ def test_randomised_answers_agree_with_decoding_them_whole() -> None:
             ]
         )
         pad = "y" * rng.choice([0, 2 * WHOLE_DECODE_BYTES])
-        body = answer(_adversarial_text(rng) + pad, usage=usage, logprobs=rng.randrange(3), **after)
+        body = chat_answer(
+            _adversarial_text(rng) + pad, usage=usage, logprobs=rng.randrange(3), **after
+        )
         assert answer_usage(body) == whole(body), body[-300:]
