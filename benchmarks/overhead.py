@@ -52,6 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -63,6 +64,7 @@ import held_streams
 import orjson
 import peer_router
 import services
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(services.BENCH_DIR.parent))
 from tests.redis_server import RedisServer
@@ -116,6 +118,9 @@ class Run:
     # The part of it spent in each gateway's child processes (kvgate's trace exporter process,
     # or the workers of a gateway run with --workers).
     child_cpu_ms_per_request: dict[str, float] = field(default_factory=dict)
+    # kvgate's own measure of its time before the upstream request (mean over the row, µs):
+    # kvgate_time_to_upstream_seconds, read from each kvgate's /metrics around the row.
+    to_upstream_us: dict[str, float] = field(default_factory=dict)
 
     @property
     def direct(self) -> dict[str, Any]:
@@ -183,6 +188,29 @@ def _children_cpu_seconds(pid: int) -> float:
         for listing in Path(f"/proc/{pid}/task").glob("*/children")
         for child in listing.read_text().split()
     )
+
+
+def _to_upstream(url: str) -> tuple[float, float] | None:
+    """The sum and count of kvgate_time_to_upstream_seconds (all routes) that the gateway
+    serving `url` exports; None for a gateway without it (a peer, the pass-through)."""
+    base = url.split("/v1/", 1)[0]
+    try:
+        with urllib.request.urlopen(base + "/metrics", timeout=5) as answer:
+            text = answer.read().decode()
+    except (OSError, ValueError):
+        return None
+    sums = counts = 0.0
+    found = False
+    for family in text_string_to_metric_families(text):
+        if family.name != "kvgate_time_to_upstream_seconds":
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_sum"):
+                sums += sample.value
+                found = True
+            elif sample.name.endswith("_count"):
+                counts += sample.value
+    return (sums, counts) if found else None
 
 
 def run_loadgen(
@@ -255,6 +283,7 @@ class Bench:
         seconds = duration or self.settings.duration
         targets = {DIRECT: self.direct_url} | {n: self.gateways[n].url for n in chosen}
         self.quiesce()
+        to_upstream = {n: _to_upstream(self.gateways[n].url) for n in chosen}
         before = {n: _cpu_seconds(self.gateways[n].pid) for n in chosen}
         children_before = {n: _children_cpu_seconds(self.gateways[n].pid) for n in chosen}
         if h2load:
@@ -273,6 +302,11 @@ class Bench:
             sent = result[name]["count"] * (1 + warmup_share)
             run.cpu_ms_per_request[name] = 1000 * cpu / sent
             run.child_cpu_ms_per_request[name] = 1000 * children / sent
+            after = _to_upstream(self.gateways[name].url)
+            if to_upstream[name] is not None and after is not None:
+                total, count = (a - b for a, b in zip(after, to_upstream[name], strict=True))
+                if count:
+                    run.to_upstream_us[name] = 1e6 * total / count
         self.runs[key] = run
         _progress(run)
         return run
@@ -677,10 +711,17 @@ def comparison_lines(runs: Iterable[Run], before: str, after: str) -> str:
         cpu = run.cpu_ms_per_request
         extra_cpu = cpu[after] - cpu[before]
         what = "added TTFT" if run.mode == "stream" else "added latency"
-        lines.append(
+        line = (
             f"- {run.rate}/s {run.mode}: {what} {'; '.join(cells)}; CPU ms/req "
             f"{cpu[before]:.3f} → {cpu[after]:.3f} ({_share(extra_cpu, cpu[before])})"
         )
+        own = run.to_upstream_us
+        if before in own and after in own:
+            line += (
+                f"; time to upstream, kvgate's own mean {own[before]:.0f} → {own[after]:.0f} µs "
+                f"({_share(own[after] - own[before], own[before])})"
+            )
+        lines.append(line)
     return "\n".join(lines)
 
 
