@@ -54,7 +54,7 @@ def main(settings: dict[str, object], ack_fd: int) -> None:
     exporters = [span_exporter(name, endpoint) for name in names]
     attributes = settings["resource"]
     assert isinstance(attributes, dict)
-    resource = Resource(attributes, str(settings["schema_url"]) or None)
+    resource = _OnceHashedResource(attributes, str(settings["schema_url"]) or None)
     instrumentation = scope(str(settings["version"]))
     stdin = sys.stdin.fileno()
     received = bytearray()
@@ -99,6 +99,20 @@ def _run_when_idle() -> None:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):
         os.nice(NICE)
+
+
+class _OnceHashedResource(Resource):
+    """A `Resource` that computes its hash once. The OTLP encoder groups the spans of a batch
+    by resource, and the SDK hashes a resource by serialising its attributes to JSON, so every
+    span paid for a `json.dumps`: 9% of this process's CPU under load (py-spy, 300 traced
+    requests/s). A resource does not change, and equal resources still hash alike."""
+
+    def __init__(self, attributes: dict[str, str], schema_url: str | None) -> None:
+        super().__init__(attributes, schema_url)
+        self._hash = super().__hash__()
+
+    def __hash__(self) -> int:
+        return self._hash
 
 
 class _Handled:

@@ -415,3 +415,18 @@ def test_a_gateway_whose_exporter_process_is_killed_starts_another_and_its_trace
             metrics = httpx.get(server.url + "/metrics").text
     assert sample_value(metrics, "kvgate_trace_exporter_restarts_total") == 1
     assert sample_value(metrics, "kvgate_trace_spans_dropped_total") == export.dropped
+
+
+def test_the_exporter_process_resource_is_hashed_once_and_as_the_sdk_hashes_it(monkeypatch):
+    from opentelemetry.sdk import resources
+
+    from kvgate.observability.span_export_child import _OnceHashedResource
+
+    attributes = {"service.name": "kvgate", "service.version": __version__}
+    once = _OnceHashedResource(attributes, "https://opentelemetry.io/schemas/1.26.0")
+    sdk = Resource(attributes, "https://opentelemetry.io/schemas/1.26.0")
+    assert once == sdk and hash(once) == hash(sdk)
+    serialised = []
+    monkeypatch.setattr(resources, "dumps", lambda *a, **k: serialised.append(a) or "")
+    assert {once: 1}[once] == 1 and hash(once) == hash(once)
+    assert serialised == []
