@@ -9,6 +9,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import weakref
 from pathlib import Path
 
 
@@ -33,6 +34,8 @@ class RedisServer:
         self.port = 0
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir = tempfile.mkdtemp(prefix="kvgate-redis-")
+        # Removed when this object is collected or the run ends (a restart still needs it).
+        weakref.finalize(self, shutil.rmtree, self._dir, True)
 
     @property
     def url(self) -> str:
