@@ -9,8 +9,9 @@ SGLang and OpenAI write the answer's own `usage` after the choices, and nothing 
 carries such a key, so the last one found is the answer's. The bytes from the `{` after it to
 its matching `}` parse as that object and as nothing else (a JSON object is never a prefix of
 a longer valid text). Anything unexpected (the last `"usage"` not a key, its value not an
-object, a slice that does not parse or is longer than any usage) falls back to decoding the
-whole answer.
+object, a slice that does not parse or is longer than any usage, an object without a token
+count, such as a tool's schema with a property of that name) falls back to decoding the whole
+answer.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ _USAGE_KEY = b'"usage"'
 _MAX_USAGE_BYTES = 4096
 _AFTER_KEY = re.compile(rb"\s*:\s*")
 _MODEL = re.compile(rb'"model"\s*:\s*"([^"\\]{0,512})"')
+# A usage object has at least one of these counts (chat and completions, embeddings, the
+# Responses API).
+_COUNTS = ("total_tokens", "prompt_tokens", "input_tokens")
 
 
 def answer_usage(body: bytes) -> tuple[dict[str, Any] | None, str | None]:
@@ -62,7 +66,9 @@ def _usage_object(body: bytes, key: int) -> dict[str, Any] | None:
                 usage = orjson.loads(body[start : end + 1])
             except orjson.JSONDecodeError:
                 return None
-            return usage if isinstance(usage, dict) else None
+            if isinstance(usage, dict) and any(isinstance(usage.get(k), int) for k in _COUNTS):
+                return usage
+            return None
         position = end + 1
     return None
 

@@ -53,6 +53,16 @@ def test_a_usage_string_after_the_key_falls_back_to_decoding_the_whole_chat_answ
     assert answer_usage(body) == (USAGE, "served-model")
 
 
+def test_an_object_named_usage_after_the_answers_own_is_not_taken_for_it() -> None:
+    # An engine that wrote the request's tools after usage: a tool's JSON schema may have a
+    # property named "usage".
+    schema = {"type": "object", "properties": {"usage": {"type": "string"}}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    body = chat_answer("x" * 2 * WHOLE_DECODE_BYTES, tools=tools)
+    assert body.rfind(b'"usage":{') > body.find(b'"usage":{')
+    assert answer_usage(body) == (USAGE, "served-model")
+
+
 def test_no_usage_or_a_null_one_gives_none() -> None:
     assert answer_usage(chat_answer("x" * 2 * WHOLE_DECODE_BYTES, usage=None)) == (
         None,
