@@ -3,10 +3,10 @@ beside decoding the whole answer, on answers an engine really sends. In-process,
 
     .venv/bin/python benchmarks/answer_usage_cost.py [--repeat 7]
 
-Answers: a small chat answer; a chat answer of 500 tokens with five top log-probabilities each
-(`fast_upstream.py --answer-logprobs 500`, about 160 KB); an embeddings answer of 32 inputs of
-4,096 dimensions (as vLLM serves a 4k-dimension embedding model; about 2.9 MB). Each figure is
-the best of `--repeat` timing loops, µs per answer.
+Answers: `fast_upstream.py`'s small chat answer; its chat answer of 500 tokens with five top
+log-probabilities each (`--answer-logprobs 500`, about 160 KB); an embeddings answer of 32
+inputs of 4,096 dimensions (as vLLM serves a 4k-dimension embedding model; about 2.7 MB).
+Each figure is the best of `--repeat` timing loops, µs per answer.
 """
 
 from __future__ import annotations
@@ -17,22 +17,9 @@ import time
 from collections.abc import Callable
 
 import orjson
-from fast_upstream import logprobs_completion
+from fast_upstream import COMPLETION, logprobs_completion
 
 from kvgate.upstream.answer_usage import answer_usage
-
-SMALL = orjson.dumps(
-    {
-        "id": "chatcmpl-1",
-        "object": "chat.completion",
-        "created": 0,
-        "model": "m",
-        "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}
-        ],
-        "usage": {"prompt_tokens": 8, "completion_tokens": 1, "total_tokens": 9},
-    }
-)
 
 
 def embeddings_answer(inputs: int, dimensions: int) -> bytes:
@@ -77,7 +64,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=7)
     args = parser.parse_args()
     answers = {
-        "small chat answer": SMALL,
+        "small chat answer": COMPLETION,
         "chat, 500 tokens with top-5 log-probabilities": logprobs_completion(500),
         "embeddings, 32 x 4,096 dimensions": embeddings_answer(32, 4096),
     }

@@ -36,7 +36,7 @@ STAMP_PREFIX = b'"id":"bench-'
 
 _JSON = [(b"content-type", b"application/json")]
 _SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
-_COMPLETION = orjson.dumps(
+COMPLETION = orjson.dumps(
     {
         "id": "bench-0",
         "object": "chat.completion",
@@ -111,7 +111,7 @@ class FastUpstream:
     """Raw ASGI app; `chunks` content events (the last carries usage), `gap` seconds apart;
     `answer`: the non-stream answer."""
 
-    def __init__(self, chunks: int, gap: float, answer: bytes = _COMPLETION) -> None:
+    def __init__(self, chunks: int, gap: float, answer: bytes = COMPLETION) -> None:
         self.chunks = chunks
         self.gap = gap
         self.answer = answer
@@ -202,7 +202,7 @@ def main() -> None:
         help="non-stream answers of this many tokens with log-probabilities (0: a small answer)",
     )
     args = parser.parse_args()
-    answer = logprobs_completion(args.answer_logprobs) if args.answer_logprobs else _COMPLETION
+    answer = logprobs_completion(args.answer_logprobs) if args.answer_logprobs else COMPLETION
     uvicorn.run(
         FastUpstream(args.chunks, args.gap_ms / 1000, answer),
         host="127.0.0.1",

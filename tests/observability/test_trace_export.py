@@ -16,6 +16,7 @@ import httpx
 import pytest
 import uvloop
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.sdk import resources
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -29,6 +30,7 @@ from kvgate import __version__
 from kvgate.app import GatewayApp
 from kvgate.config import parse_config
 from kvgate.observability.exporter_process import FLUSH_SECONDS, ExporterProcess
+from kvgate.observability.span_export_child import _OnceHashedResource
 from kvgate.observability.span_records import (
     NEW_TRACE_FLAGS,
     SAMPLED,
@@ -418,10 +420,6 @@ def test_a_gateway_whose_exporter_process_is_killed_starts_another_and_its_trace
 
 
 def test_the_exporter_process_resource_is_hashed_once_and_as_the_sdk_hashes_it(monkeypatch):
-    from opentelemetry.sdk import resources
-
-    from kvgate.observability.span_export_child import _OnceHashedResource
-
     attributes = {"service.name": "kvgate", "service.version": __version__}
     once = _OnceHashedResource(attributes, "https://opentelemetry.io/schemas/1.26.0")
     sdk = Resource(attributes, "https://opentelemetry.io/schemas/1.26.0")
