@@ -64,7 +64,6 @@ import held_streams
 import orjson
 import peer_router
 import services
-from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(services.BENCH_DIR.parent))
 from tests.redis_server import RedisServer
@@ -197,20 +196,13 @@ def _to_upstream(url: str) -> tuple[float, float] | None:
     try:
         with urllib.request.urlopen(base + "/metrics", timeout=5) as answer:
             text = answer.read().decode()
-    except (OSError, ValueError):
+        sums = [v for _, v in services.metric_samples(text, "kvgate_time_to_upstream_seconds_sum")]
+        counts = [
+            v for _, v in services.metric_samples(text, "kvgate_time_to_upstream_seconds_count")
+        ]
+    except (OSError, ValueError):  # no /metrics, or not Prometheus text (the pass-through's)
         return None
-    sums = counts = 0.0
-    found = False
-    for family in text_string_to_metric_families(text):
-        if family.name != "kvgate_time_to_upstream_seconds":
-            continue
-        for sample in family.samples:
-            if sample.name.endswith("_sum"):
-                sums += sample.value
-                found = True
-            elif sample.name.endswith("_count"):
-                counts += sample.value
-    return (sums, counts) if found else None
+    return (sum(sums), sum(counts)) if sums else None
 
 
 def run_loadgen(

@@ -70,7 +70,6 @@ import precise_cost
 import routing_report
 from cache_ideals import cache_ideals
 from chat_stream import Streamed, client_session, stream_chat
-from prometheus_client.parser import text_string_to_metric_families
 from routing_report import SLOW_TTFT_SECONDS, Row
 from services import (
     BENCH_DIR,
@@ -79,6 +78,7 @@ from services import (
     free_port,
     gateway,
     machine,
+    metric_samples,
     stop,
     wait_ready,
 )
@@ -321,14 +321,6 @@ def run_cell(args: argparse.Namespace, router: str, plans: list[Planned]) -> dic
         "slow_gateway": gateway_slow_ttfts(metrics, SLOW_TTFT_SECONDS),
         "elapsed": elapsed,
     }
-
-
-def metric_samples(metrics: str, name: str) -> Iterator[tuple[dict[str, str], float]]:
-    """(labels, value) of every sample called `name` in a /metrics text."""
-    for family in text_string_to_metric_families(metrics):
-        for sample in family.samples:
-            if sample.name == name:
-                yield sample.labels, sample.value
 
 
 def index_drift(metrics: str) -> float:

@@ -13,6 +13,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
 BENCH_DIR = Path(__file__).resolve().parent
 PYTHON = sys.executable
 READY_TIMEOUT = 15.0
@@ -157,3 +159,11 @@ def machine() -> str:
         platform.processor(),
     )
     return f"{os.cpu_count()} cores ({cpu}), Python {platform.python_version()}"
+
+
+def metric_samples(metrics: str, name: str) -> Iterator[tuple[dict[str, str], float]]:
+    """(labels, value) of every sample called `name` in a /metrics text."""
+    for family in text_string_to_metric_families(metrics):
+        for sample in family.samples:
+            if sample.name == name:
+                yield sample.labels, sample.value
