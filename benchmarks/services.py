@@ -46,15 +46,17 @@ def _http_ok(port: int, path: str) -> bool:
         return False
 
 
-def wait_ready(proc: subprocess.Popen[bytes], port: int, path: str) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT
+def wait_ready(
+    proc: subprocess.Popen[bytes], port: int, path: str, timeout: float = READY_TIMEOUT
+) -> None:
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{proc.args!r} exited with {proc.returncode} before ready")
         if _http_ok(port, path):
             return
         time.sleep(0.05)
-    raise RuntimeError(f"{proc.args!r} not ready on port {port} after {READY_TIMEOUT} s")
+    raise RuntimeError(f"{proc.args!r} not ready on port {port} after {timeout} s")
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
