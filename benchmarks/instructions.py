@@ -3,7 +3,7 @@ a few µs shows on a noisy machine.
 
     flock /tmp/kvgate-bench.lock .venv/bin/python benchmarks/instructions.py [--requests 400]
         [--warmup 100] [--repeats 2] [--stream] [--baseline DIR] [--no-passthrough]
-        [--policy NAME]
+        [--policy NAME] [--chunks 8] [--gap-ms 5]
 
 Each target runs under `valgrind --tool=callgrind` (it counts every instruction the process
 executes, the interpreter's and the C libraries' alike; system calls' kernel work is not
@@ -134,7 +134,8 @@ def main() -> int:
     counts: dict[str, list[float]] = {name: [] for name in targets}
     up_port = services.free_port()
     upstream = f"http://127.0.0.1:{up_port}"
-    with services.fast_upstream(up_port, args.chunks, 0.0), tempfile.TemporaryDirectory() as t:
+    upstream_service = services.fast_upstream(up_port, args.chunks, args.gap_ms)
+    with upstream_service, tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
         for run in range(args.repeats):
             for name, source in targets.items():
@@ -148,7 +149,11 @@ def main() -> int:
 
 
 def report(counts: dict[str, list[float]], args: argparse.Namespace) -> str:
-    kind = f"streams of {args.chunks} events" if args.stream else "non-streaming requests"
+    kind = (
+        f"streams of {args.chunks} events {args.gap_ms:g} ms apart"
+        if args.stream
+        else "non-streaming requests"
+    )
     lines = [
         f"Instructions per request (thousands), {args.requests} {kind} after {args.warmup} "
         f"of warm-up, each run on a fresh process; {args.repeats} run(s) per target, each "
@@ -185,6 +190,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=2, help="runs per target")
     parser.add_argument("--stream", action="store_true")
     parser.add_argument("--chunks", type=int, default=8, help="stream events per response")
+    parser.add_argument(
+        "--gap-ms",
+        type=float,
+        default=5.0,
+        help="ms between a stream's events (apart, each is a read and a relay of its own)",
+    )
     parser.add_argument("--baseline", type=Path, help="source tree of the kvgate to compare")
     parser.add_argument("--no-passthrough", action="store_true", help="skip the pass-through")
     parser.add_argument("--policy", help="the pool's routing policy (default: kvgate's)")

@@ -292,7 +292,7 @@ class GatewayApp:
         # lasts as long as the request), so the context can let go of them (release_prompt).
         ctx = await self._ingress(route, scope, receive, send)
         if ctx is not None:
-            await self.chain.handle(ctx, receive, send)
+            await self.chain.handle(ctx, scope, receive, send)
 
     async def _ingress(
         self, route: str, scope: Scope, receive: Receive, send: Send

@@ -15,6 +15,13 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 JSON = b"application/json"
 
+# A request's scope key through which the server tells the app that its client left, without
+# the app keeping a task per request in `receive()` for it. kvgate's own server protocol
+# (`kvgate/http_server.py`) puts None there; the app may put a callable, which the protocol
+# calls once when the connection is lost before that request's response is complete. Without
+# the key (another server), the app watches `receive()` for `http.disconnect`.
+ON_DISCONNECT = "kvgate.on_disconnect"
+
 
 async def send_bytes(
     send: Send,

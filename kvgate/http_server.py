@@ -6,17 +6,26 @@ a client that opens a connection and sends its request line and headers slowly, 
 finishes them, would hold the connection and its buffers for as long as it likes. Here each
 request's headers must be complete within `header_timeout` seconds of the request's first
 byte (or of the connection being opened), or the connection is closed.
+
+It also calls the request's `ON_DISCONNECT` hook (`kvgate/asgi.py`) when the connection is
+lost before the response is complete, so the app learns that its client left without a task
+per request waiting in `receive()`.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from typing import cast
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from kvgate.asgi import ON_DISCONNECT
+
 
 class HeaderDeadlineProtocol(HttpToolsProtocol):
-    """`HttpToolsProtocol` closing connections whose headers do not arrive in time."""
+    """`HttpToolsProtocol` closing connections whose headers do not arrive in time, and calling
+    a request's disconnect hook when its client leaves before the response is complete."""
 
     header_timeout = 10.0
     _header_timer: asyncio.TimerHandle | None = None
@@ -27,6 +36,7 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self.scope[ON_DISCONNECT] = None  # type: ignore[literal-required]
         self._arm()
 
     def on_headers_complete(self) -> None:
@@ -35,7 +45,14 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        cycle = self.cycle
         super().connection_lost(exc)
+        if cycle is not None and cycle.disconnected:  # lost before the response was complete
+            scope = cycle.scope
+            hook = cast("Callable[[], None] | None", scope.get(ON_DISCONNECT))
+            if hook is not None:
+                scope[ON_DISCONNECT] = None  # type: ignore[literal-required]
+                hook()
 
     def _arm(self) -> None:
         self._disarm()

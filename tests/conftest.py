@@ -8,6 +8,7 @@ import pytest
 
 from kvgate.app import GatewayApp
 from kvgate.config import parse_config
+from kvgate.http_server import HeaderDeadlineProtocol
 from tests.sdk_clients import close_sdk_clients
 from tests.servers import ServerThread
 from tests.upstreams import ScriptedUpstream
@@ -59,12 +60,14 @@ def gateway_config(urls: list[str], **overrides: Any) -> dict[str, Any]:
 
 
 @pytest.fixture
-def start_gateway() -> Iterator[Callable[[dict[str, Any]], tuple[GatewayApp, ServerThread]]]:
+def start_gateway() -> Iterator[Callable[..., tuple[GatewayApp, ServerThread]]]:
+    """Start a gateway on `config`, served as `kvgate serve` serves it (kvgate's HTTP protocol)
+    unless `options` say otherwise (uvicorn.Config keywords)."""
     started: list[ServerThread] = []
 
-    def start(config: dict[str, Any]) -> tuple[GatewayApp, ServerThread]:
+    def start(config: dict[str, Any], **options: Any) -> tuple[GatewayApp, ServerThread]:
         app = GatewayApp(parse_config(config))
-        server = ServerThread(app).__enter__()
+        server = ServerThread(app, **{"http": HeaderDeadlineProtocol, **options}).__enter__()
         started.append(server)
         return app, server
 
@@ -76,6 +79,6 @@ def start_gateway() -> Iterator[Callable[[dict[str, Any]], tuple[GatewayApp, Ser
 @pytest.fixture
 def gateway(
     upstream: tuple[ScriptedUpstream, ServerThread],
-    start_gateway: Callable[[dict[str, Any]], tuple[GatewayApp, ServerThread]],
+    start_gateway: Callable[..., tuple[GatewayApp, ServerThread]],
 ) -> tuple[GatewayApp, ServerThread]:
     return start_gateway(gateway_config([upstream[1].url]))

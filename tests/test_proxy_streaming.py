@@ -34,10 +34,16 @@ def test_chunks_are_relayed_as_they_arrive(upstream, gateway):
     assert arrivals[-1] - arrivals[0] >= 0.3
 
 
-def test_client_disconnect_mid_stream_aborts_upstream(upstream, gateway):
-    engine, _ = upstream
+# kvgate's own HTTP protocol tells the chain that the client left (`ON_DISCONNECT`); under
+# uvicorn's plain one the chain watches `receive()` instead. Both must abort the upstream.
+SERVED_BY = pytest.mark.parametrize("http", ["kvgate", "httptools"])
+
+
+@SERVED_BY
+def test_client_disconnect_mid_stream_aborts_upstream(upstream, start_gateway, http):
+    engine, up = upstream
     engine.script.chunks, engine.script.gap = 100, 0.05
-    app, server = gateway
+    app, server = _served_by(start_gateway, up.url, http)
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=CHAT) as response:
         next(response.iter_raw())
         closed_at = time.monotonic()
@@ -46,10 +52,13 @@ def test_client_disconnect_mid_stream_aborts_upstream(upstream, gateway):
     _wait_for(lambda: app.fleet.endpoints[0].inflight == 0)
 
 
-def test_client_disconnect_while_waiting_for_unary_answer_aborts_upstream(upstream, gateway):
-    engine, _ = upstream
+@SERVED_BY
+def test_client_disconnect_while_waiting_for_unary_answer_aborts_upstream(
+    upstream, start_gateway, http
+):
+    engine, up = upstream
     engine.script.headers_delay = 30
-    app, server = gateway
+    app, server = _served_by(start_gateway, up.url, http)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/chat/completions", timeout=0.3, json={**CHAT, "stream": False})
     assert engine.disconnected.wait(timeout=2)
@@ -173,3 +182,9 @@ def _wait_for(condition, timeout: float = 2.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.01)
+
+
+def _served_by(start_gateway, upstream_url: str, http: str):
+    """A gateway in front of `upstream_url`, served by kvgate's HTTP protocol or uvicorn's."""
+    options = {} if http == "kvgate" else {"http": http}
+    return start_gateway(gateway_config([upstream_url]), **options)

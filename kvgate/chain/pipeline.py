@@ -6,7 +6,9 @@ Stages run in order over one RequestContext; the first that raises a KvgateError
 chain, its error goes to the client (before the commit point), and every resource taken so far
 is released by `ctx.finish()`. A client disconnect cancels the chain wherever it is;
 `end_requests` (the end of a drain) cancels every request in the chain and answers each with
-an error: a stream gets it as its last event.
+an error: a stream gets it as its last event. The server says that the client left through the
+request's `ON_DISCONNECT` hook when it offers one (kvgate's own protocol does); under another
+server a task per request watches `receive()` for `http.disconnect`.
 
 With tracing on (`tracing` given), the request gets a trace whose span ends after settling,
 so a stream's span ends with the stream; each stage runs inside a step of the trace named
@@ -20,9 +22,10 @@ import asyncio
 import logging
 import re
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Protocol
 
-from kvgate.asgi import Receive, Send, send_error
+from kvgate.asgi import ON_DISCONNECT, Receive, Scope, Send, send_error
 from kvgate.errors import GatewayBug, KvgateError, drop_tracebacks
 from kvgate.request_options import REQUEST_ID
 from kvgate.types import Forward, RequestContext, RequestTrace, Stage
@@ -63,11 +66,15 @@ class RequestChain:
             task.cancel()
         return len(self._running)
 
-    async def handle(self, ctx: RequestContext, receive: Receive, send: Send) -> None:
+    async def handle(self, ctx: RequestContext, scope: Scope, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
         assert task is not None
         self._running.add(task)
-        watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, task, ctx))
+        watcher: asyncio.Task[None] | None = None
+        if ON_DISCONNECT in scope:
+            scope[ON_DISCONNECT] = partial(_client_left, task, ctx)
+        else:
+            watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, task, ctx))
         if self.tracing is not None:
             ctx.trace = self.tracing.start(ctx)
         try:
@@ -99,7 +106,10 @@ class RequestChain:
             await _answer_error(ctx, send, GatewayBug("internal gateway error"))
         finally:
             self._running.discard(task)
-            watcher.cancel()
+            if watcher is None:
+                scope[ON_DISCONNECT] = None
+            else:
+                watcher.cancel()
             try:
                 ctx.finish()
             finally:
@@ -150,11 +160,16 @@ async def _answer_error(ctx: RequestContext, send: Send, error: KvgateError) -> 
 async def _watch_disconnect(
     receive: Receive, task: asyncio.Task[None], ctx: RequestContext
 ) -> None:
-    """Cancel the request's task when its client goes away before the answer is complete."""
+    """Under a server without the `ON_DISCONNECT` hook: wait for `http.disconnect`."""
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            if not ctx.responded:
-                ctx.client_gone = True
-                task.cancel()
+            _client_left(task, ctx)
             return
+
+
+def _client_left(task: asyncio.Task[None], ctx: RequestContext) -> None:
+    """Cancel the request's task when its client goes away before the answer is complete."""
+    if not ctx.responded:
+        ctx.client_gone = True
+        task.cancel()

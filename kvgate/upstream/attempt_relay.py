@@ -4,9 +4,9 @@ Commit point: for streams, the response status and headers go to the client only
 upstream data event arrives. Any failure before that is raised as a KvgateError (answerable,
 retriable); any failure after it is raised as `StreamBroken`, for the forwarder to resume the
 stream or end it with an error event (kvgate/upstream/forwarder.py). The upstream response is
-closed on every path (`_opened`), which is what aborts generation on the engine when the client
-goes away. Every attempt is reported to its endpoint's breaker exactly once (`AttemptRecord`)
-and counted by `endpoint.begin_attempt` / `endpoint.end_attempt`.
+closed on every path (`_opened`, `_whole_answer`), which is what aborts generation on the engine
+when the client goes away. Every attempt is reported to its endpoint's breaker exactly once
+(`AttemptRecord`) and counted by `endpoint.begin_attempt` / `endpoint.end_attempt`.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from kvgate.upstream.answer_usage import answer_usage
 from kvgate.upstream.attempts import judge
 from kvgate.upstream.failures import Phase, attempt_failure
 from kvgate.upstream.headers import upstream_headers
+from kvgate.upstream.moving_deadline import MovingDeadline
 from kvgate.upstream.request_timeouts import RequestTimeouts
 from kvgate.upstream.resilience import AttemptRecord, Resilience
 from kvgate.upstream.resume import StreamTranscript
@@ -172,28 +173,40 @@ class AttemptRelay:
     async def _relay_unary(
         self, ctx: RequestContext, request: _Request, send: Send, deadline: float
     ) -> None:
-        async with self._opened(request, deadline, "total") as response:
-            if response.status >= 400:
-                raise await self._error_from(response)
-            try:
-                async with asyncio.timeout_at(deadline):
-                    body = await response.read()
-            except (TimeoutError, TransportError) as failure:
-                raise attempt_failure(failure, "total") from None
-            content_type = response.headers.get("content-type", "application/json")
-            if content_type.startswith("application/json") and not _looks_like_json(body):
-                raise UpstreamProtocolError(
-                    "the engine's answer is not a complete JSON object",
-                    code="upstream_malformed_body",
+        status, content_type, body = await self._whole_answer(request, deadline)
+        if content_type.startswith("application/json") and not _looks_like_json(body):
+            raise UpstreamProtocolError(
+                "the engine's answer is not a complete JSON object",
+                code="upstream_malformed_body",
+            )
+        ctx.status = status
+        ctx.responded = True
+        try:
+            await send_bytes(send, status, body, content_type.encode(), _response_headers(ctx))
+        finally:  # the answer does not wait for the accounting; a client gone still pays
+            ctx.usage, ctx.response_model = answer_usage(body)
+
+    async def _whole_answer(self, request: _Request, deadline: float) -> tuple[int, str, bytes]:
+        """The engine's status, content type and whole body, all by `deadline` (one deadline
+        over connecting, the head and the body), its connection back in the pool (or closed)
+        before the client is answered. An engine's error answer is raised as its error."""
+        response: UpstreamResponse | None = None
+        try:
+            async with asyncio.timeout_at(deadline):
+                response = await self.transport.open(
+                    request.url, request.headers, request.body, request.connect_timeout
                 )
-            ctx.status = response.status
-            ctx.responded = True
-            try:
-                await send_bytes(
-                    send, response.status, body, content_type.encode(), _response_headers(ctx)
-                )
-            finally:  # the answer does not wait for the accounting; a client gone still pays
-                ctx.usage, ctx.response_model = answer_usage(body)
+                request.body = b""
+                if response.status >= 400:
+                    raise await self._error_from(response)
+                body = await response.read()
+                content_type = response.headers.get("content-type", "application/json")
+                return response.status, content_type, body
+        except (TimeoutError, TransportError) as failure:
+            raise attempt_failure(failure, "total") from None
+        finally:
+            if response is not None:
+                response.close()
 
     async def _expect_stream(self, response: UpstreamResponse) -> None:
         """Raise the engine's error unless `response` is a 200 event stream."""
@@ -227,7 +240,7 @@ class AttemptRelay:
             phase: Phase = "first_token"
             error: KvgateError
             try:
-                async with asyncio.timeout_at(first_token_until) as timer:
+                async with MovingDeadline(first_token_until) as timer:
                     pending: list[bytes] = []
                     size = 0
                     while scanner.data_events == 0:
@@ -253,7 +266,7 @@ class AttemptRelay:
                     record_gap = self.resilience.observer.token_gap_recorder(ctx.route)
                     relayed_at = time.perf_counter()
                     while not scanner.terminated:
-                        timer.reschedule(min(deadline, loop.time() + stall))
+                        timer.move_to(min(deadline, loop.time() + stall))
                         events = scanner.data_events
                         out = scanner.feed(await anext(chunks))
                         if transcript is not None and out:
