@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
 
@@ -10,6 +11,7 @@ import orjson
 import pytest
 
 from tests.conftest import gateway_config
+from tests.servers import ServerThread
 
 CHAT = {"model": "m1", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
 
@@ -144,6 +146,34 @@ def test_total_deadline_for_unary(upstream, start_gateway):
     response = httpx.post(server.url + "/v1/chat/completions", json={**CHAT, "stream": False})
     assert response.status_code == 504
     assert response.json()["error"]["code"] == "deadline_exceeded"
+
+
+def test_total_deadline_covers_an_engine_error_body_that_stalls(start_gateway):
+    async def stalling_error(scope, receive, send):  # a 500 whose body never ends
+        if scope["type"] != "http":
+            return
+        if scope["path"] != "/v1/chat/completions":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        await receive()
+        head = [(b"content-type", b"application/json"), (b"content-length", b"100")]
+        await send({"type": "http.response.start", "status": 500, "headers": head})
+        await send({"type": "http.response.body", "body": b'{"error": ', "more_body": True})
+        await asyncio.sleep(30)
+
+    with ServerThread(stalling_error, lifespan="off") as engine:
+        config = gateway_config(
+            [engine.url], pool={"models": [CHAT["model"]]}, timeouts={"total": 0.5}
+        )
+        _, server = start_gateway(config)
+        started = time.monotonic()
+        response = httpx.post(
+            server.url + "/v1/chat/completions", json={**CHAT, "stream": False}, timeout=10
+        )
+    assert response.status_code == 504
+    assert response.json()["error"]["code"] == "deadline_exceeded"
+    assert time.monotonic() - started < 5
 
 
 def test_non_stream_answer_to_stream_request_is_a_protocol_error(upstream, gateway):
