@@ -516,8 +516,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--out",
         type=Path,
-        default=BENCH_DIR / f"routing-{datetime.date.today()}.png",
-        help="the plot (default: beside RESULTS.md, named by date so older sections keep theirs)",
+        help="the plot (default: beside RESULTS.md, named by date so older sections keep "
+        "theirs; none with --no-results)",
     )
     p.add_argument("--no-results", action="store_true", help="do not append to benchmarks/history/")
     p.add_argument(
@@ -627,9 +627,12 @@ def main() -> int:
         section += [decision_cost.summary(micro_out), "", precise_cost.summary(micro_out), ""]
     if rows:
         section += routing_report.sections(rows, args, searches)
-        if routing_report.plot(rows, args.out):
+        out = args.out
+        if out is None and not args.no_results:
+            out = BENCH_DIR / f"routing-{datetime.date.today()}.png"
+        if out is not None and routing_report.plot(rows, out):
             # The section goes to history/; the plot lies beside RESULTS.md.
-            section += [f"![routing](../{args.out.name})", ""]
+            section += [f"![routing](../{out.name})", ""]
     text = "\n".join(section)
     print(text)
     if not args.no_results:
