@@ -3,7 +3,7 @@ a few µs shows on a noisy machine.
 
     flock /tmp/kvgate-bench.lock .venv/bin/python benchmarks/instructions.py [--requests 400]
         [--warmup 100] [--repeats 2] [--stream] [--baseline DIR] [--no-passthrough]
-        [--policy NAME] [--chunks 8] [--gap-ms 5]
+        [--policy NAME] [--chunks 8] [--gap-ms 5] [--tracing]
 
 Each target runs under `valgrind --tool=callgrind` (it counts every instruction the process
 executes, the interpreter's and the C libraries' alike; system calls' kernel work is not
@@ -17,8 +17,11 @@ does, where time per request moves by tens of percent (benchmarks/RESULTS.md).
 Targets: `benchmarks/passthrough_proxy.py` (kvgate's server and upstream client with nothing
 between them: the stack's floor), kvgate (`kvgate serve`, one worker, this tree; the default
 policy, or `--policy`) and, with `--baseline DIR`, the kvgate of source tree DIR in the same
-way (the code without a lever). Health probes and telemetry scrapes are set to a minute apart,
-so the count is the requests' own work; the client sends `loadgen.py`'s request.
+way (the code without a lever); `--tracing` adds this tree's kvgate tracing every request to
+`null_collector.py` over OTLP (its exporter process is exec'd, so it runs natively and is not
+counted: what is counted is what tracing costs the serving process). Health probes and
+telemetry scrapes are set to a minute apart, so the count is the requests' own work; the
+client sends `loadgen.py`'s request.
 
 What it does not show: time. A lever that saves instructions but waits longer (a deferred
 write, a lock) is for `overhead.py` to judge. Under valgrind the process runs about 50 times
@@ -46,15 +49,17 @@ READY_SECONDS = 180.0
 PASSTHROUGH = "pass-through"
 KVGATE = "kvgate"
 KVGATE_BASELINE = "kvgate baseline"
+KVGATE_TRACED = "kvgate+tracing"
 
 
-def gateway_yaml(port: int, upstream: str, policy: str | None) -> str:
-    """`services.gateway_config` with the background probes a minute apart, and the pool's
-    routing policy when given (else kvgate's default)."""
+def gateway_yaml(port: int, upstream: str, policy: str | None, tracing: str = "") -> str:
+    """`services.gateway_config` with the background probes a minute apart, the pool's
+    routing policy when given (else kvgate's default), and `tracing` (an `observability:`
+    line, or none)."""
     config = services.gateway_config(port, [upstream])
     if policy is not None:
         config = config.replace("    engine: vllm\n", f"    engine: vllm\n    policy: {policy}\n")
-    return config + "health: {interval: 60}\nrouting: {scrape_interval: 60}\n"
+    return config + "health: {interval: 60}\nrouting: {scrape_interval: 60}\n" + tracing
 
 
 @contextlib.contextmanager
@@ -113,12 +118,18 @@ def _total(dump: Path) -> int:
     raise RuntimeError(f"no summary in {dump}")
 
 
-def target_args(name: str, port: int, upstream: str, tmp: Path, policy: str | None) -> list[str]:
+def target_args(
+    name: str, port: int, upstream: str, tmp: Path, policy: str | None, collector: int | None
+) -> list[str]:
     if name == PASSTHROUGH:
         proxy = str(services.BENCH_DIR / "passthrough_proxy.py")
         return [proxy, "--port", str(port), "--upstream", upstream]
-    config = tmp / f"{name.replace(' ', '-')}.yaml"
-    config.write_text(gateway_yaml(port, upstream, policy))
+    tracing = ""
+    if name == KVGATE_TRACED:
+        endpoint = f"http://127.0.0.1:{collector}/v1/traces"
+        tracing = f'observability: {{tracing: {{exporter: otlp, endpoint: "{endpoint}"}}}}\n'
+    config = tmp / f"{name.replace(' ', '-').replace('+', '-')}.yaml"
+    config.write_text(gateway_yaml(port, upstream, policy, tracing))
     return ["-m", "kvgate.cli", "serve", "--config", str(config), "--log-level", "warning"]
 
 
@@ -131,17 +142,23 @@ def main() -> int:
     if args.baseline is not None:
         targets[KVGATE_BASELINE] = args.baseline.resolve()
     targets[KVGATE] = None
+    if args.tracing:
+        targets[KVGATE_TRACED] = None
     counts: dict[str, list[float]] = {name: [] for name in targets}
     up_port = services.free_port()
     upstream = f"http://127.0.0.1:{up_port}"
-    upstream_service = services.fast_upstream(up_port, args.chunks, args.gap_ms)
-    with upstream_service, tempfile.TemporaryDirectory() as t:
-        tmp = Path(t)
+    collector = services.free_port() if args.tracing else None
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(services.fast_upstream(up_port, args.chunks, args.gap_ms))
+        if collector is not None:
+            null_collector = [str(services.BENCH_DIR / "null_collector.py"), "--port"]
+            stack.enter_context(services.service([*null_collector, str(collector)], collector, "/"))
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         for run in range(args.repeats):
             for name, source in targets.items():
                 port = services.free_port()
                 out = tmp / f"callgrind-{run}-{name.replace(' ', '-')}"
-                launch = target_args(name, port, upstream, tmp, args.policy)
+                launch = target_args(name, port, upstream, tmp, args.policy, collector)
                 with under_callgrind(launch, port, out, source) as proc:
                     counts[name].append(count(proc, out, port, args))
     print(report(counts, args))
@@ -173,6 +190,14 @@ def report(counts: dict[str, list[float]], args: argparse.Namespace) -> str:
             f"kvgate's chain on top of the stack: {chain / 1000:,.1f} thousand instructions "
             f"per request ({medians[KVGATE] / medians[PASSTHROUGH]:.2f}x the pass-through)."
         )
+    if KVGATE_TRACED in medians:
+        traced = medians[KVGATE_TRACED] - medians[KVGATE]
+        lines.append("")
+        lines.append(
+            f"Tracing every request (OTLP; the exporter process runs natively, uncounted): "
+            f"{traced / 1000:+,.1f} thousand instructions per request in the gateway "
+            f"({traced / medians[KVGATE]:+.1%})."
+        )
     if KVGATE_BASELINE in medians:
         saved = medians[KVGATE_BASELINE] - medians[KVGATE]
         lines.append("")
@@ -199,6 +224,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--baseline", type=Path, help="source tree of the kvgate to compare")
     parser.add_argument("--no-passthrough", action="store_true", help="skip the pass-through")
     parser.add_argument("--policy", help="the pool's routing policy (default: kvgate's)")
+    parser.add_argument(
+        "--tracing",
+        action="store_true",
+        help="also kvgate tracing every request to an OTLP collector (null_collector.py)",
+    )
     return parser.parse_args()
 
 
