@@ -58,6 +58,23 @@ class RequestChain:
         self._running: set[asyncio.Task[object]] = set()
         self._ending: KvgateError | None = None
 
+    async def _traced_stages(self, ctx: RequestContext, trace: RequestTrace) -> None:
+        """The stages, each in a step of `trace` that ends with the stage's outcome."""
+        for stage, name in zip(self.stages, self._span_names, strict=True):
+            span = trace.span(name)
+            try:
+                await stage(ctx)
+            except KvgateError as error:
+                span.end(str(error.code))
+                raise
+            except asyncio.CancelledError:
+                span.end("interrupted")  # the client left, or a drain ended the request
+                raise
+            except Exception:
+                span.end("internal_error")
+                raise
+            span.end()
+
     def end_requests(self, error: KvgateError) -> int:
         """End every request in the chain now with `error` (as the last event of a stream
         already under way, else as the answer); returns how many there were."""
@@ -82,8 +99,7 @@ class RequestChain:
                 for stage in self.stages:
                     await stage(ctx)
             else:
-                for stage, name in zip(self.stages, self._span_names, strict=True):
-                    await _traced(stage, ctx, ctx.trace, name)
+                await self._traced_stages(ctx, ctx.trace)
             await self.forward(ctx, send)
             if ctx.outcome == "pending":
                 ctx.outcome = "ok"
@@ -121,22 +137,6 @@ class RequestChain:
                         # the trace and its spans are freed as soon as it is finished.
                         trace, ctx.trace = ctx.trace, None
                         trace.finish()
-
-
-async def _traced(stage: Stage, ctx: RequestContext, trace: RequestTrace, name: str) -> None:
-    span = trace.span(name)
-    try:
-        await stage(ctx)
-    except KvgateError as error:
-        span.end(str(error.code))
-        raise
-    except asyncio.CancelledError:
-        span.end("interrupted")  # the client left, or a drain ended the request
-        raise
-    except Exception:
-        span.end("internal_error")
-        raise
-    span.end()
 
 
 def _span_name(stage: Stage) -> str:

@@ -251,9 +251,19 @@ class _RequestTrace:
         if error is not None:
             attributes["error.type"] = error
             code, description = _ERROR, error
-        end = time.time_ns()
-        record = (step.name, step.kind, step.span_id, step.parent, step.start, end, attributes)
-        self._ended.append((*record, code, description))
+        self._ended.append(
+            (
+                step.name,
+                step.kind,
+                step.span_id,
+                step.parent,
+                step.start,
+                time.time_ns(),
+                attributes,
+                code,
+                description,
+            )
+        )
 
     def finish(self) -> None:
         for step in reversed(self._open):  # a step left open by a bug must not leak
