@@ -84,3 +84,37 @@ def test_a_responses_stream_ends_with_its_last_event_and_carries_usage():
     )
     assert scanner.done and scanner.error is None
     assert scanner.usage == {"total_tokens": 9}
+
+
+# Where `usage` may appear in an event, and what the scanner makes of it: read only when it is
+# a key with a value other than null; every event is relayed byte for byte unless stripped.
+USAGE_EVENTS = [
+    # vLLM with `include_usage`: every content chunk carries a null usage.
+    (b'{"choices":[{"delta":{"content":"a"}}],"usage":null}', None),
+    (b'{"choices":[{"delta":{"content":"a"}}],"usage" : null}', None),
+    # A word in the content (escaped quotes) or a string value, not a key.
+    (b'{"choices":[{"delta":{"content":"the \\"usage\\": {} field"}}]}', None),
+    (b'{"choices":[{"delta":{"content":"x"}}],"type":"usage"}', None),
+    # The usage of the last content chunk, and of a usage-only chunk, with or without spaces.
+    (b'{"choices":[{"delta":{}}],"usage":{"prompt_tokens":3}}', {"prompt_tokens": 3}),
+    (b'{"choices":[],"usage" :\t{"prompt_tokens":4}}', {"prompt_tokens": 4}),
+]
+
+
+@pytest.mark.parametrize(("data", "usage"), USAGE_EVENTS)
+def test_usage_is_read_only_where_it_is_a_value(data, usage):
+    event = b"data: " + data + b"\n\n"
+    scanner = SseScanner()
+    assert scanner.feed(event) == event
+    assert scanner.usage == usage
+    assert scanner.data_events == 1 and scanner.error is None and not scanner.terminated
+
+
+def test_a_usage_only_event_is_stripped_for_a_client_that_did_not_ask_and_the_rest_kept():
+    content = b'data: {"choices":[{"delta":{"content":"a"}}],"usage":null}\n\n'
+    usage_only = b'data: {"choices":[],"usage":{"prompt_tokens":5}}\n\n'
+    scanner = SseScanner(strip_usage=True)
+    assert scanner.feed(content + usage_only + b"data: [DONE]\n\n") == (
+        content + b"data: [DONE]\n\n"
+    )
+    assert scanner.usage == {"prompt_tokens": 5} and scanner.done

@@ -31,6 +31,15 @@ MAX_PENDING_BYTES = 1024 * 1024
 _RESPONSES_LAST_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
 # Searched in every event before parsing: deltas (most events) are never parsed.
 _RESPONSES_LAST_NAMES = tuple(f'"{name}"'.encode() for name in sorted(_RESPONSES_LAST_EVENTS))
+# What an event may need reading for, in one search: "error" (a key, or vLLM's
+# `"object": "error"`), a Responses stream's last event, or a usage that is not null. Content
+# deltas, most of a stream, match none of it and are only counted; an event that matches gets
+# the closer look below.
+_WORTH_READING = re.compile(
+    rb'"(?:error|'
+    + b"|".join(re.escape(name.encode()) for name in sorted(_RESPONSES_LAST_EVENTS))
+    + rb')"|"usage"\s*:\s*[^n\s]'
+)
 
 
 class SseProtocolError(Exception):
@@ -105,6 +114,9 @@ class SseScanner:
             return False
         if data[:1] != b"{" or data[-1:] != b"}":
             raise SseProtocolError("the engine sent a malformed event (not a JSON object)")
+        if _WORTH_READING.search(data) is None:
+            self.data_events += 1
+            return False
         if any(name in data for name in _RESPONSES_LAST_NAMES):
             self._responses_event(data)
         readable = b'"error"' in data or (b'"usage"' in data and not _NULL_USAGE.search(data))
