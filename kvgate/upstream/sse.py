@@ -29,7 +29,7 @@ _BOUNDARY = re.compile(rb"\r?\n\r?\n")
 _NULL_USAGE = re.compile(rb'"usage"\s*:\s*null')
 MAX_PENDING_BYTES = 1024 * 1024
 _RESPONSES_LAST_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
-# Searched in every event before parsing: deltas (most events) are never parsed.
+# Searched in an event that `_WORTH_READING` flags, before parsing it.
 _RESPONSES_LAST_NAMES = tuple(f'"{name}"'.encode() for name in sorted(_RESPONSES_LAST_EVENTS))
 # What an event may need reading for, in one search: "error" (a key, or vLLM's
 # `"object": "error"`), a Responses stream's last event, or a usage that is not null. Content
