@@ -46,10 +46,7 @@ def timed_gateways(
         trees = {BASELINE: (baseline.resolve(), ""), **trees}
     with ExitStack() as stack:
         if tracing:
-            port = services.free_port()
-            collector = [str(services.BENCH_DIR / "null_collector.py"), "--port", str(port)]
-            stack.enter_context(services.service(collector, port, "/"))
-            endpoint = f"http://127.0.0.1:{port}/v1/traces"
+            endpoint = stack.enter_context(services.null_collector())
             tracing = f'exporter: otlp, sample_ratio: 1, endpoint: "{endpoint}"'
             trees[TRACED] = (None, f"observability: {{tracing: {{{tracing}}}}}\n")
         running, stats = {}, {}

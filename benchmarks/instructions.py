@@ -33,13 +33,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import http.client
-import os
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import loadgen
@@ -51,36 +49,25 @@ KVGATE = "kvgate"
 KVGATE_BASELINE = "kvgate baseline"
 
 
-def gateway_yaml(port: int, upstream: str, policy: str | None, tracing: str = "") -> str:
-    """`services.gateway_config` with the background probes a minute apart, the pool's
-    routing policy when given (else kvgate's default), and `tracing` (an `observability:`
-    line, or none)."""
-    config = services.gateway_config(port, [upstream])
-    if policy is not None:
-        config = config.replace("    engine: vllm\n", f"    engine: vllm\n    policy: {policy}\n")
-    return config + "health: {interval: 60}\nrouting: {scrape_interval: 60}\n" + tracing
+def gateway_yaml(port: int, upstream: str, policy: str | None, traces: str | None) -> str:
+    """`services.gateway_config` with the background probes a minute apart, tracing every
+    request to the OTLP URL `traces` when given."""
+    config = services.gateway_config(port, [upstream], policy)
+    config += "health: {interval: 60}\nrouting: {scrape_interval: 60}\n"
+    if traces is not None:
+        config += f'observability: {{tracing: {{exporter: otlp, endpoint: "{traces}"}}}}\n'
+    return config
 
 
-@contextlib.contextmanager
 def under_callgrind(
     args: list[str], port: int, out: Path, source: Path | None = None
-) -> Iterator[subprocess.Popen[bytes]]:
-    """`python args...` under callgrind, ready once `GET /readyz` (or `/`) answers 200."""
-    env = {**os.environ, **({"PYTHONPATH": str(source)} if source is not None else {})}
-    command = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", services.PYTHON]
-    proc = subprocess.Popen(
-        [*command, *args],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=env,
-        cwd=source,
+) -> contextlib.AbstractContextManager[subprocess.Popen[bytes]]:
+    """`python args...` under callgrind (its counts to `out`), ready once `GET /readyz`
+    answers 200 (the pass-through answers any GET)."""
+    wrapper = ["valgrind", "-q", "--tool=callgrind", f"--callgrind-out-file={out}"]
+    return services.service(
+        args, port, "/readyz", subprocess.DEVNULL, source, wrapper, READY_SECONDS
     )
-    try:
-        services.wait_ready(proc, port, "/readyz", READY_SECONDS)
-        yield proc
-    finally:
-        services.stop(proc)
 
 
 def send(connection: http.client.HTTPConnection, body: bytes, count: int) -> None:
@@ -118,17 +105,13 @@ def _total(dump: Path) -> int:
 
 
 def target_args(
-    name: str, port: int, upstream: str, tmp: Path, policy: str | None, collector: int | None
+    name: str, port: int, upstream: str, tmp: Path, policy: str | None, traces: str | None
 ) -> list[str]:
     if name == PASSTHROUGH:
         proxy = str(services.BENCH_DIR / "passthrough_proxy.py")
         return [proxy, "--port", str(port), "--upstream", upstream]
-    tracing = ""
-    if collector is not None:
-        endpoint = f"http://127.0.0.1:{collector}/v1/traces"
-        tracing = f'observability: {{tracing: {{exporter: otlp, endpoint: "{endpoint}"}}}}\n'
     config = tmp / f"{name.replace(' ', '-')}.yaml"
-    config.write_text(gateway_yaml(port, upstream, policy, tracing))
+    config.write_text(gateway_yaml(port, upstream, policy, traces))
     return ["-m", "kvgate.cli", "serve", "--config", str(config), "--log-level", "warning"]
 
 
@@ -144,18 +127,15 @@ def main() -> int:
     counts: dict[str, list[float]] = {name: [] for name in targets}
     up_port = services.free_port()
     upstream = f"http://127.0.0.1:{up_port}"
-    collector = services.free_port() if args.tracing else None
     with contextlib.ExitStack() as stack:
         stack.enter_context(services.fast_upstream(up_port, args.chunks, args.gap_ms))
-        if collector is not None:
-            null_collector = [str(services.BENCH_DIR / "null_collector.py"), "--port"]
-            stack.enter_context(services.service([*null_collector, str(collector)], collector, "/"))
+        traces = stack.enter_context(services.null_collector()) if args.tracing else None
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         for run in range(args.repeats):
             for name, source in targets.items():
                 port = services.free_port()
                 out = tmp / f"callgrind-{run}-{name.replace(' ', '-')}"
-                launch = target_args(name, port, upstream, tmp, args.policy, collector)
+                launch = target_args(name, port, upstream, tmp, args.policy, traces)
                 with under_callgrind(launch, port, out, source) as proc:
                     counts[name].append(count(proc, out, port, args))
     print(report(counts, args))

@@ -667,10 +667,7 @@ def traced_gateways(
     tracing = f"observability: {{tracing: {{exporter: {exporter}, sample_ratio: {ratio}"
     with ExitStack() as stack:
         if exporter == "otlp":
-            port = services.free_port()
-            collector = [str(services.BENCH_DIR / "null_collector.py"), "--port", str(port)]
-            stack.enter_context(services.service(collector, port, "/"))
-            tracing += f', endpoint: "http://127.0.0.1:{port}/v1/traces"'
+            tracing += f', endpoint: "{stack.enter_context(services.null_collector())}"'
         running = {}
         for name, extra in ((KVGATE, ""), (KVGATE_TRACED, tracing + "}}\n")):
             port = services.free_port()

@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -76,16 +76,19 @@ def service(
     ready_path: str,
     stdout: int | None = None,
     source: Path | None = None,
+    wrapper: Sequence[str] = (),
+    ready_timeout: float = READY_TIMEOUT,
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """Run `python args...` until the block exits; ready once `GET ready_path` answers 200.
-    `stdout`: where its standard output goes (default: this process's); `source`: a source
-    tree whose packages it imports first (run from there, on PYTHONPATH)."""
+    """Run `python args...` until the block exits; ready once `GET ready_path` answers 200
+    (within `ready_timeout` seconds). `stdout`: where its standard output goes (default: this
+    process's); `source`: a source tree whose packages it imports first (run from there, on
+    PYTHONPATH); `wrapper`: a command that runs python (valgrind, say)."""
     env = None if source is None else {**os.environ, "PYTHONPATH": str(source)}
     proc = subprocess.Popen(
-        [PYTHON, *args], stdin=subprocess.DEVNULL, stdout=stdout, env=env, cwd=source
+        [*wrapper, PYTHON, *args], stdin=subprocess.DEVNULL, stdout=stdout, env=env, cwd=source
     )
     try:
-        wait_ready(proc, port, ready_path)
+        wait_ready(proc, port, ready_path, ready_timeout)
         yield proc
     finally:
         stop(proc)
@@ -111,14 +114,26 @@ def fast_upstream(
     )
 
 
-def gateway_config(port: int, upstream_urls: list[str]) -> str:
+@contextlib.contextmanager
+def null_collector() -> Iterator[str]:
+    """benchmarks/null_collector.py on a free port until the block ends; yields the URL its
+    OTLP traces go to."""
+    port = free_port()
+    with service([str(BENCH_DIR / "null_collector.py"), "--port", str(port)], port, "/"):
+        yield f"http://127.0.0.1:{port}/v1/traces"
+
+
+def gateway_config(port: int, upstream_urls: list[str], policy: str | None = None) -> str:
+    """One pool `bench` of `upstream_urls` serving `bench-model`, by `policy` (kvgate's
+    default when None)."""
     endpoints = ", ".join(f'{{url: "{url}"}}' for url in upstream_urls)
     return (
         f"server: {{host: 127.0.0.1, port: {port}, access_log: false}}\n"
         "pools:\n"
         "  - name: bench\n"
         "    engine: vllm\n"
-        "    models: [bench-model]\n"
+        + ("" if policy is None else f"    policy: {policy}\n")
+        + "    models: [bench-model]\n"
         f"    endpoints: [{endpoints}]\n"
     )
 

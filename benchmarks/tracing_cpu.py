@@ -50,8 +50,8 @@ def _child_pids(pid: int) -> list[int]:
     ]
 
 
-def _tracing(collector: str, ratio: float) -> str:
-    settings = f'exporter: otlp, sample_ratio: {ratio}, endpoint: "{collector}/v1/traces"'
+def _tracing(traces: str, ratio: float) -> str:
+    settings = f'exporter: otlp, sample_ratio: {ratio}, endpoint: "{traces}"'
     return f"observability: {{tracing: {{{settings}}}}}\n"
 
 
@@ -64,15 +64,12 @@ def main() -> None:
         tmp = Path(tmp_name)
         up_port = services.free_port()
         stack.enter_context(services.fast_upstream(up_port, 8, 0.0))
-        col_port = services.free_port()
-        collector = [str(services.BENCH_DIR / "null_collector.py"), "--port", str(col_port)]
-        stack.enter_context(services.service(collector, col_port, "/"))
-        collector_url = f"http://127.0.0.1:{col_port}"
+        traces = stack.enter_context(services.null_collector())
         extras = {
             "off": "",
-            "sampling nothing": _tracing(collector_url, 0.0),
-            "every request": _tracing(collector_url, 1.0),
-            _PAUSED: _tracing(collector_url, 1.0),
+            "sampling nothing": _tracing(traces, 0.0),
+            "every request": _tracing(traces, 1.0),
+            _PAUSED: _tracing(traces, 1.0),
         }
         gateways: dict[str, tuple[str, int]] = {}
         for index, (name, extra) in enumerate(extras.items()):

@@ -145,18 +145,16 @@ class AttemptRelay:
                 span.end("interrupted")  # the client left, a drain ended the request, or a bug
 
     @asynccontextmanager
-    async def _opened(
-        self, request: _Request, until: float, phase: Phase
-    ) -> AsyncIterator[UpstreamResponse]:
-        """The engine's response once its status and headers arrived (by `until`), closed
-        when the block ends, however it ends."""
+    async def _opened(self, request: _Request, until: float) -> AsyncIterator[UpstreamResponse]:
+        """A stream's response once its status and headers arrived (by `until`, the first-token
+        deadline), closed when the block ends, however it ends."""
         try:
             async with asyncio.timeout_at(until):
                 response = await self.transport.open(
                     request.url, request.headers, request.body, request.connect_timeout
                 )
         except (TimeoutError, TransportError) as failure:
-            raise attempt_failure(failure, phase) from None
+            raise attempt_failure(failure, "first_token") from None
         request.body = b""
         try:
             yield response
@@ -232,7 +230,7 @@ class AttemptRelay:
         record: AttemptRecord,
         transcript: StreamTranscript | None,
     ) -> None:
-        async with self._opened(request, first_token_until, "first_token") as response:
+        async with self._opened(request, first_token_until) as response:
             await self._expect_stream(response)
             loop = asyncio.get_running_loop()
             scanner = SseScanner(strip_usage=ctx.strip_usage)
