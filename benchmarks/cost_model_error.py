@@ -8,7 +8,9 @@ choice costs others, not this request's wait). A least-squares line TTFT = a + b
 the run gives the engine's effective step and per-token costs; the relative errors around it
 say which differences in predicted cost the model can resolve at all. kvgate's `hold_margin`
 (a prompt stays with the endpoint holding most of it unless moving saves more than that) is
-the median of these errors.
+the median of these errors. `placed_away` counts the requests the picker sent away from the
+candidate its index saw holding most of their prompt, and the prompt tokens that gave up: the
+part of the prefix hit a router's own placements lose, beside what its index got wrong.
 """
 
 from __future__ import annotations
@@ -28,16 +30,24 @@ class Explained:
     prompt_tokens: int  # the engine's count, to rescale the gateway's estimate
 
 
-def _fields(explain: str, endpoint: str) -> tuple[int, dict[str, str]]:
-    """The gateway's prompt-token estimate and the chosen candidate's fields."""
+def _candidates(explain: str) -> tuple[int, dict[str, dict[str, str]]]:
+    """The gateway's prompt-token estimate and every candidate's fields, by endpoint name."""
     prompt = 0
-    chosen: dict[str, str] = {}
+    candidates: dict[str, dict[str, str]] = {}
     for part in explain.split("; "):
         if part.startswith("prompt_tokens="):
             prompt = int(part.split("=", 1)[1])
-        elif part.startswith(endpoint + " "):
-            chosen = dict(item.split("=", 1) for item in part.split(" ")[1:])
-    return prompt, chosen
+        else:
+            name, *items = part.split(" ")
+            if items and "=" not in name:
+                candidates[name] = dict(item.split("=", 1) for item in items)
+    return prompt, candidates
+
+
+def _fields(explain: str, endpoint: str) -> tuple[int, dict[str, str]]:
+    """The gateway's prompt-token estimate and the chosen candidate's fields."""
+    prompt, candidates = _candidates(explain)
+    return prompt, candidates.get(endpoint, {})
 
 
 def own_wait_tokens(record: Explained) -> float | None:
@@ -76,6 +86,28 @@ def fit(records: list[Explained]) -> dict[str, float]:
         "error_p50": errors[len(errors) // 2],
         "error_p75": errors[int(0.75 * len(errors))],
     }
+
+
+def placed_away(records: list[Explained]) -> tuple[int, int, float]:
+    """Requests placed on an endpoint predicted to hold less of their prompt than another
+    candidate did, out of the explained ones, and the prompt tokens those placements gave up
+    (the chosen endpoint's uncached tokens above the fewest any candidate had) as a share of
+    all prompt tokens: where a router's prefix hit falls short of what its own index saw."""
+    moved = explained = 0
+    given_up = prompt = 0.0
+    for record in records:
+        estimate, candidates = _candidates(record.explain)
+        chosen = candidates.get(record.endpoint)
+        if not estimate or chosen is None or "uncached" not in chosen:
+            continue
+        explained += 1
+        prompt += record.prompt_tokens
+        fewest = min(int(fields["uncached"]) for fields in candidates.values())
+        extra = int(chosen["uncached"]) - fewest
+        if extra > 0:
+            moved += 1
+            given_up += extra * record.prompt_tokens / estimate
+    return moved, explained, given_up / prompt if prompt else 0.0
 
 
 def describe(stats: dict[str, float]) -> str:

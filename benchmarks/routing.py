@@ -297,6 +297,11 @@ def run_cell(args: argparse.Namespace, router: str, plans: list[Planned]) -> dic
             if r.explain and r.ttft is not None
         ]
         print(f"  {router}: {cost_model_error.describe(cost_model_error.fit(explained))}")
+        moved, counted, given_up = cost_model_error.placed_away(explained)
+        print(
+            f"  {router}: {moved} of {counted} requests placed away from the candidate holding"
+            f" most of their prompt, giving up {given_up:.1%} of prompt tokens"
+        )
     ttfts = [r.ttft for r in ok if r.ttft is not None]
     loads = [s["requests_received"] for s in engine_stats]
     hits = sum(s["prefix_hit_tokens"] for s in engine_stats)
@@ -529,7 +534,8 @@ def parse_args() -> argparse.Namespace:
         "--cost-model",
         action="store_true",
         help="kvgate columns explain every decision; print how well the cost model predicted "
-        "each request's TTFT (cost_model_error.py)",
+        "each request's TTFT and what placing requests away from their prefix's holder gave up "
+        "(cost_model_error.py)",
     )
     p.add_argument(
         "--max-kv-usage",
