@@ -118,11 +118,15 @@ class MaxScoreParams(NoParams):
     new prefix where the oldest blocks are is how a fleet of separate caches does the same.
     `hold_margin`: a prompt stays with the eligible endpoint holding the most of it while that
     endpoint scores within this of the best: leaving must be predicted to save more than the
-    cost model can resolve. The default, 0.15, is a predicted cost about 19% above the best
-    with the latency objective's weights (predicted_ttft carries 10 of 10.7), the median error
-    of the model's time-to-first-token prediction measured on the simulator
-    (`benchmarks/routing.py --cost-model`). Below it, moving a prompt is a coin toss on its
-    wait and a sure loss of cached tokens. 0 turns it off.
+    cost model can resolve. A move compares two predictions, the holder's cost and the other
+    endpoint's, and each is off by the model's error: the move is sure to pay only if it still
+    saves when the holder's cost is overestimated and the other's underestimated by the median
+    relative error m of the model's time-to-first-token prediction, i.e. when the holder's
+    predicted cost exceeds the other's (1 + m) / (1 - m) times. With m ≈ 19% (measured on
+    the simulator by `benchmarks/routing.py --cost-model` on every workload not overloaded)
+    that is 1.47 times, a score gap of 0.30 with the latency objective's weights
+    (predicted_ttft carries 10 of 10.7): the default. A smaller saving is a coin toss on the
+    request's wait and a sure loss of its cached tokens. 0 turns it off.
     Imbalance gate (after SGLang's cache-aware router): a candidate carrying
     more than `imbalance_abs` requests above the least loaded one and more than
     `imbalance_rel` times its load is overloaded and is not picked; the others are picked by
@@ -143,7 +147,7 @@ class MaxScoreParams(NoParams):
 
     tie_margin: float = Field(0.02, ge=0, le=1)
     ties: Literal["eviction", "load"] = "eviction"
-    hold_margin: float = Field(0.15, ge=0, le=1)
+    hold_margin: float = Field(0.3, ge=0, le=1)
     imbalance_abs: float = Field(64, ge=0)
     imbalance_rel: float = Field(1.5, ge=1)
     seed: int | None = None

@@ -364,21 +364,27 @@ def test_an_endpoint_with_room_takes_a_new_prompt_before_any_eviction():
 
 @pytest.mark.parametrize(
     ("queued_tokens", "hold_margin", "stays"),
-    [(2_600, 0.15, True), (2_600, 0.0, False), (6_000, 0.15, False)],
+    [
+        (2_600, 0.15, True),
+        (2_600, 0.0, False),
+        (6_000, 0.15, False),
+        (3_300, 0.15, False),
+        (3_300, None, True),
+        (6_000, None, False),
+    ],
 )
 def test_the_holder_keeps_a_prompt_unless_moving_saves_more_than_the_hold_margin(
     queued_tokens, hold_margin, stays
 ):
     """Leaving the endpoint that holds the prompt must be predicted to save more than the
     cost model's own error: a 10% cheaper cold prefill elsewhere does not move the prompt,
-    a prefill queue twice its size does."""
+    a prefill queue twice its size does. The default margin (None) allows for the errors of
+    both predictions a move compares: a holder predicted about 1.3 times as costly keeps the
+    prompt, where a margin for one prediction's error (0.15) lets it go."""
     a, b = endpoint("a"), endpoint("b")
+    params = {} if hold_margin is None else {"hold_margin": hold_margin}
     policy = build_policy(
-        {
-            "objective": "latency",
-            "picker": {"type": "max_score", "params": {"hold_margin": hold_margin}},
-        },
-        "t",
+        {"objective": "latency", "picker": {"type": "max_score", "params": params}}, "t"
     )
     picker, _ = _picker(a, b, policy=policy)
     long_system = SYSTEM * 4  # ~1,200 tokens: a cold prefill costs ~2,550 prefill tokens
