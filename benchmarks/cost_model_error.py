@@ -8,9 +8,11 @@ choice costs others, not this request's wait). A least-squares line TTFT = a + b
 the run gives the engine's effective step and per-token costs; the relative errors around it
 say which differences in predicted cost the model can resolve at all. kvgate's `hold_margin`
 (a prompt stays with the endpoint holding most of it unless moving saves more than that) is
-the median of these errors. `placed_away` counts the requests the picker sent away from the
-candidate its index saw holding most of their prompt, and the prompt tokens that gave up: the
-part of the prefix hit a router's own placements lose, beside what its index got wrong.
+taken from the median m of these errors: a move compares two predictions, so it must save
+more than (1 + m) / (1 - m) (kvgate/routing/pickers.py). `placed_away` counts the requests
+the picker sent away from the candidate its index saw holding most of their prompt, and the
+prompt tokens that gave up: the part of the prefix hit a router's own placements lose,
+beside what its index got wrong.
 """
 
 from __future__ import annotations
