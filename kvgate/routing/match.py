@@ -51,6 +51,8 @@ class PrefixMatch:
     blocks: int = field(init=False)
     # The index's `eviction_touch(endpoint, blocks)`: what recording blocks there pushes out.
     eviction_touch_of: Callable[[str, int], float] | None = None
+    # The index's `room(endpoint, blocks)`: what is left free there after recording them.
+    room_of: Callable[[str, int], int] | None = None
 
     def __post_init__(self) -> None:
         self.blocks = len(self.hashes)
@@ -102,5 +104,14 @@ class PrefixMatch:
         evict was last touched (-inf when they fit there, or without an index)."""
         if self.eviction_touch_of is None:
             return -math.inf
-        need = math.ceil(self.uncached_tokens(endpoint) / self.tokens_per_block)
-        return self.eviction_touch_of(endpoint, need)
+        return self.eviction_touch_of(endpoint, self._uncached_blocks(endpoint))
+
+    def room(self, endpoint: str) -> int:
+        """Blocks `endpoint` would have free after taking this prompt's uncached blocks (0
+        without an index)."""
+        if self.room_of is None:
+            return 0
+        return self.room_of(endpoint, self._uncached_blocks(endpoint))
+
+    def _uncached_blocks(self, endpoint: str) -> int:
+        return math.ceil(self.uncached_tokens(endpoint) / self.tokens_per_block)

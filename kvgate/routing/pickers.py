@@ -9,6 +9,7 @@ count, or the engine's own queued + running count when that is higher (work from
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from typing import ClassVar, Literal, Protocol
@@ -109,13 +110,17 @@ class LeastLoadedPicker:
 class MaxScoreParams(NoParams):
     """`tie_margin`: scores within this of the best are near ties. `ties` decides them:
     `eviction` (default) takes the near ties where the request's uncached blocks would push
-    out the least recently used blocks of the prefix index (an endpoint with room for them
-    first), then power of two choices on load among those still tied; `load` uses power of
-    two choices on load alone. Near ties are endpoints the predicted cost cannot tell apart
-    (no queue, the same held prefix), so the choice costs no time to first token; where the new
-    blocks land decides what the fleet forgets. A single LRU cache as large as the fleet
-    (what the prefix-hit ideal measures) evicts its globally oldest blocks, and placing each
-    new prefix where the oldest blocks are is how a fleet of separate caches does the same.
+    out the least recently used blocks of the prefix index (where they push out nothing, the
+    endpoint left with the most free blocks), then power of two choices on load among those
+    still tied; `load` uses power of two choices on load alone. Near ties are endpoints the
+    predicted cost cannot tell apart (no queue, the same held prefix), so the choice costs no
+    time to first token; where the new blocks land decides what the fleet forgets. A single
+    LRU cache as large as the fleet (what the prefix-hit ideal measures) evicts nothing while
+    the fleet has room and then its globally oldest blocks; placing each new prefix on the
+    emptiest cache, then where the oldest blocks are, is how a fleet of separate caches does
+    the same. Filling the emptiest first also spreads new prefix groups over the engines:
+    a group's later requests follow its first, so two groups started on one engine would
+    share it for as long as they last.
     `hold_margin`: a prompt stays with the eligible endpoint holding the most of it while that
     endpoint scores within this of the best: leaving must be predicted to save more than the
     cost model can resolve. A move compares two predictions, the holder's cost and the other
@@ -189,6 +194,21 @@ class MaxScorePicker:
         keep = [i for i, h in zip(eligible, held, strict=True) if h == most and scores[i] >= floor]
         return keep or eligible
 
+    @staticmethod
+    def _evicting_least(
+        prefix: PrefixMatch, candidates: Sequence[EndpointLoad], ties: list[int]
+    ) -> list[int]:
+        """The near ties where the prompt's uncached blocks push out the least recently used
+        blocks; where they push out none, those left with the most room."""
+        touched = [prefix.eviction_touch(candidates[i].name) for i in ties]
+        oldest = min(touched)
+        ties = [i for i, t in zip(ties, touched, strict=True) if t == oldest]
+        if oldest == -math.inf and len(ties) > 1:
+            rooms = [prefix.room(candidates[i].name) for i in ties]
+            most = max(rooms)
+            ties = [i for i, r in zip(ties, rooms, strict=True) if r == most]
+        return ties
+
     def __call__(
         self,
         ctx: RequestContext,
@@ -205,9 +225,7 @@ class MaxScorePicker:
         best = max(scores[i] for i in eligible)
         ties = [i for i in eligible if scores[i] >= best - self.params.tie_margin]
         if len(ties) > 1 and self.params.ties == "eviction" and prefix is not None:
-            touched = [prefix.eviction_touch(candidates[i].name) for i in ties]
-            oldest = min(touched)
-            ties = [i for i, t in zip(ties, touched, strict=True) if t == oldest]
+            ties = self._evicting_least(prefix, candidates, ties)
         if len(ties) == 1:
             return ties[0]
         first, second = self._rng.sample(ties, 2)

@@ -205,6 +205,14 @@ class PrefixIndex:
         blocks = self._blocks.get(endpoint)
         return MISSING if blocks is None else blocks.eviction_touch(need)
 
+    def room(self, endpoint: str, need: int) -> int:
+        """Blocks `endpoint` would still have free after recording `need` more (negative: it
+        would evict that many)."""
+        blocks = self._blocks.get(endpoint)
+        if blocks is None:
+            return self.default_capacity - need
+        return blocks.capacity - len(blocks) - need
+
     def forget_touched_until(self, endpoint: str, moment: float) -> None:
         """`endpoint`'s engine evicted a block last touched at `moment`: forget everything it
         was told at that time or before (an LRU evicts the oldest first)."""

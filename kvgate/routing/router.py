@@ -218,8 +218,8 @@ def _explain(
     """Every term of the decision, per candidate: its score and each scorer's value, and the
     inputs of the predicted time to first token (held prompt blocks, uncached tokens, prefill
     tokens queued there, decoding sequences, the engine's waiting requests), how long ago the
-    blocks the placement would evict were last used (`room`: none would be) and the load the
-    picker's imbalance gate compares."""
+    blocks the placement would evict were last used (`room`: none would be), the blocks it
+    would leave free there, and the load the picker's imbalance gate compares."""
     names = [s.NAME for s, _ in profile.scorers]
     prefix = ctx.prefix
     now = time.monotonic()
@@ -239,6 +239,7 @@ def _explain(
             touched = prefix.eviction_touch(candidate.name)
             age = f"{now - touched:.1f}s" if touched > -math.inf else "room"
             fields.append(f"evicts_age={age}")
+            fields.append(f"free_blocks={prefix.room(candidate.name)}")
         fields.append(f"queued_tokens={candidate.queued_tokens:.0f}")
         fields.append(f"decoding={candidate.active_sequences:.0f}")
         fields.append(f"waiting={candidate.waiting:.0f}")

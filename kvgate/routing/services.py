@@ -117,6 +117,7 @@ class RoutingServices:
             affinity=self.affinity.get(session) if session is not None else None,
             exact=self.precise.match(ctx) if self.precise is not None else None,
             eviction_touch_of=self.index.eviction_touch,
+            room_of=self.index.room,
         )
 
     def record_precise(self, prefix: PrefixMatch, endpoint: str) -> None:

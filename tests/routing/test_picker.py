@@ -362,6 +362,31 @@ def test_an_endpoint_with_room_takes_a_new_prompt_before_any_eviction():
     assert chosen == {"c"}
 
 
+def test_among_endpoints_with_room_a_new_prompt_goes_to_the_emptiest():
+    endpoints = [endpoint(name) for name in "abc"]
+    picker, services = _picker(*endpoints)
+    for name, held in (("a", 600), ("b", 100), ("c", 300)):
+        services.index.set_capacity(name, 1_000)
+        services.index.record(name, [10_000 * (ord(name) - 96) + i for i in range(held)])
+    assert picker.choose(ctx("new prompt nobody holds " * 40)).name == "b"
+
+
+def test_new_prefix_groups_on_idle_endpoints_each_start_on_an_endpoint_of_their_own():
+    """Every idle endpoint is a near tie for a prompt nobody holds, and a group's later
+    requests follow its first: three groups started on four idle endpoints must not share one
+    (they would, by chance, more often than not if room did not decide the tie)."""
+    groups = [f"You are agent kind {g}. " * 60 for g in range(3)]
+    for _ in range(10):
+        picker, services = _picker(*(endpoint(name) for name in "abcd"))
+        for name in "abcd":
+            services.index.set_capacity(name, 1_000)
+        homes = [picker.choose(ctx(system + "task 0")).name for system in groups]
+        assert len(set(homes)) == 3
+        for task in range(1, 4):
+            for system, home in zip(groups, homes, strict=True):
+                assert picker.choose(ctx(system + f"task {task}")).name == home
+
+
 @pytest.mark.parametrize(
     ("queued_tokens", "hold_margin", "stays"),
     [
