@@ -33,7 +33,10 @@ and that of one LRU cache with the fleet's whole KV memory (engines x `--kv-bloc
 tokens); each router's hit (cached_tokens over prompt tokens) is shown as a fraction of the
 latter too. The TTFT floor per workload (cache_ideals.py): the p50 / p90 of each request's own
 prefill of what the infinite cache misses, alone on an engine; no schedule goes below it, so a
-target under it cannot be met.
+target under it cannot be met. Beside it, what two idealised schedules of that same work would
+give (schedule_estimates.py): every engine always on the requests with the least work left,
+across the fleet (shortest first: what a gateway holding requests and releasing the shortest
+first could at best approach), and least-work dispatch to engines that serve in arrival order.
 
 With two or more CPUs the simulated fleet runs alone on the last one and the router and the
 client share the others (`--no-pin`: everything shares every CPU), so that what a router spends
@@ -71,6 +74,7 @@ import routing_report
 from cache_ideals import cache_ideals
 from chat_stream import Streamed, client_session, stream_chat
 from routing_report import SLOW_TTFT_SECONDS, Row
+from schedule_estimates import estimates
 from services import (
     BENCH_DIR,
     PYTHON,
@@ -543,6 +547,12 @@ def parse_args() -> argparse.Namespace:
         help="kvgate's routing.saturation.max_kv_usage (default: kvgate's own, 1.0: KV use "
         "saturates nothing)",
     )
+    p.add_argument(
+        "--estimates",
+        action="store_true",
+        help="run no router: print each --rates cell's cache ideals, TTFT floor and schedule "
+        "estimates (schedule_estimates.py)",
+    )
     p.add_argument("--serve-sim", action="store_true", help=argparse.SUPPRESS)
     p.add_argument(
         "--no-pin",
@@ -584,11 +594,12 @@ def run_workload(args: argparse.Namespace, workload: str) -> tuple[list[Row], st
     for label, rate in loads:
         plans = WORKLOADS[workload](rate, args)
         ideals = cache_ideals([p.body for p in plans], capacity, speed=args.speed)
+        schedules = estimates([p.at for p in plans], ideals.ttft_floors, args.engines)
         for router in routers:
             runs = [probes[rate]] if router == "round_robin" and rate in probes else []
             while len(runs) < args.repeats:
                 runs.append(run_cell(args, router, plans))
-            row = Row(workload, label, rate, router, median_of(runs), ideals)
+            row = Row(workload, label, rate, router, median_of(runs), ideals, schedules)
             rows.append(row)
             print(routing_report.progress(row), flush=True)
     search = ""
@@ -601,10 +612,33 @@ def run_workload(args: argparse.Namespace, workload: str) -> tuple[list[Row], st
     return rows, search
 
 
+def print_estimates(args: argparse.Namespace) -> None:
+    """`--estimates`: what no router can beat and what two idealised schedules would give,
+    per workload and rate of `--rates`, without running anything."""
+    for workload in args.workloads.split(","):
+        for label, rate in labelled_rates(args.rates, workload) or []:
+            plans = WORKLOADS[workload](rate, args)
+            ideals = cache_ideals(
+                [p.body for p in plans], args.engines * args.kv_blocks, speed=args.speed
+            )
+            schedules = estimates([p.at for p in plans], ideals.ttft_floors, args.engines)
+            print(
+                f"{workload} {label} ({rate:g} req/s): TTFT p50 / p90 s: floor "
+                f"{ideals.ttft_floor(0.5):.3f} / {ideals.ttft_floor(0.9):.3f}, shortest first "
+                f"{schedules.srpt(0.5):.3f} / {schedules.srpt(0.9):.3f}, least-work FCFS "
+                f"{schedules.fcfs(0.5):.3f} / {schedules.fcfs(0.9):.3f}; hit ideals: infinite "
+                f"{ideals.infinite_hit:.3f}, fleet LRU {ideals.fleet_lru_hit:.3f}",
+                flush=True,
+            )
+
+
 def main() -> int:
     args = parse_args()
     if args.serve_sim:
         serve_sim(args)
+        return 0
+    if args.estimates:
+        print_estimates(args)
         return 0
     args.sim_cpus, others = (set(), set()) if args.no_pin else sim_cpus()
     if others:  # the gateway, the peer router and their children inherit it

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from cache_ideals import CacheIdeals
+from schedule_estimates import ScheduleEstimates
 
 COLUMN_NAMES = {"sglang": "sglang-router cache_aware", "precise": "kvgate precise (KV events)"}
 LOADED = ("3x", "10x")
@@ -25,6 +26,7 @@ class Row:
     router: str
     stats: dict[str, Any]
     ideals: CacheIdeals
+    schedules: ScheduleEstimates
 
     @property
     def ran(self) -> bool:
@@ -79,15 +81,17 @@ def workload_table(rows: list[Row]) -> str:
     by = {(r.load, r.router): r for r in rows}
     names = [COLUMN_NAMES.get(router, Path(router).stem) for router in routers]
     lines = [
-        "| load | req/s | TTFT floor p50 / p90 | ideal: infinite | ideal: fleet LRU | "
-        + " | ".join(names)
-        + " |",
-        "|---|---|---|---|---|" + "---|" * len(routers),
+        "| load | req/s | TTFT floor p50 / p90 | shortest first p50 / p90 | least-work FCFS p50 "
+        "/ p90 | ideal: infinite | ideal: fleet LRU | " + " | ".join(names) + " |",
+        "|---|---|---|---|---|---|---|" + "---|" * len(routers),
     ]
     for load, rate in loads:
-        ideals = next(r.ideals for r in rows if r.load == load)
+        first = next(r for r in rows if r.load == load)
+        ideals, schedules = first.ideals, first.schedules
         lines.append(
             f"| {load} | {rate:g} | {ideals.ttft_floor(0.5):.3f} / {ideals.ttft_floor(0.9):.3f} "
+            f"| {schedules.srpt(0.5):.3f} / {schedules.srpt(0.9):.3f} "
+            f"| {schedules.fcfs(0.5):.3f} / {schedules.fcfs(0.9):.3f} "
             f"| {ideals.infinite_hit:.2f} | {ideals.fleet_lru_hit:.2f} | "
             + " | ".join(_cell(by.get((load, router))) for router in routers)
             + " |"
@@ -155,6 +159,11 @@ def targets(rows: list[Row]) -> list[str]:
                 )
                 if mine > share * theirs and share * theirs < floor:
                     check += f"; unreachable: below the TTFT floor's p90 {floor:.3f} s"
+                elif mine > share * theirs and share * theirs < kv.schedules.srpt(0.9):
+                    check += (
+                        "; below even the shortest-first schedule's p90 "
+                        f"{kv.schedules.srpt(0.9):.3f} s"
+                    )
                 checks.append(check + ")")
         out.append(f"{load}: " + "; ".join(checks))
     for row in rows:
