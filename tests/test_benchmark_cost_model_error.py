@@ -4,21 +4,11 @@ share of the prompt tokens that gave up."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-# Loaded from its file: the benchmarks folder is not a package and stays off sys.path.
-_BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-_SPEC = importlib.util.spec_from_file_location(
-    "cost_model_error", _BENCHMARKS / "cost_model_error.py"
-)
-assert _SPEC is not None and _SPEC.loader is not None
-cost_model_error = importlib.util.module_from_spec(_SPEC)
-sys.modules[_SPEC.name] = cost_model_error  # its dataclass looks itself up there
-_SPEC.loader.exec_module(cost_model_error)
+from tests import benchmark_modules
+
+cost_model_error = benchmark_modules.load("cost_model_error")
 
 
 def _explain(prompt: int, uncached: dict[str, int]) -> str:

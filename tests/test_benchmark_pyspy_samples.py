@@ -4,18 +4,11 @@ lines, in both sampling modes `benchmarks/cpu_profile.py` offers (non-stop: Pyth
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
-# Loaded from its file: the benchmarks folder is not a package and stays off sys.path.
-_SPEC = importlib.util.spec_from_file_location(
-    "pyspy_samples", Path(__file__).resolve().parent.parent / "benchmarks" / "pyspy_samples.py"
-)
-assert _SPEC is not None and _SPEC.loader is not None
-pyspy_samples = importlib.util.module_from_spec(_SPEC)
-sys.modules[_SPEC.name] = pyspy_samples
-_SPEC.loader.exec_module(pyspy_samples)
+from tests import benchmark_modules
+
+pyspy_samples = benchmark_modules.load("pyspy_samples")
 
 SITE = "/srv/.venv/lib/python3.11/site-packages"
 STDLIB = "/usr/lib/python3.11/asyncio"

@@ -3,21 +3,11 @@ shortest-remaining-work-first with preemption, and least-work dispatch to first-
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-# Loaded from its file: the benchmarks folder is not a package and stays off sys.path.
-_BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-_SPEC = importlib.util.spec_from_file_location(
-    "schedule_estimates", _BENCHMARKS / "schedule_estimates.py"
-)
-assert _SPEC is not None and _SPEC.loader is not None
-schedule_estimates = importlib.util.module_from_spec(_SPEC)
-sys.modules[_SPEC.name] = schedule_estimates  # its dataclass looks itself up there
-_SPEC.loader.exec_module(schedule_estimates)
+from tests import benchmark_modules
+
+schedule_estimates = benchmark_modules.load("schedule_estimates")
 
 
 def test_the_shortest_goes_first_and_first_come_keeps_arrival_order():

@@ -4,25 +4,16 @@ floor follows the cache (a repeated prompt's floor is its last block's prefill o
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
 from kvgate.sim import EngineOptions, SimFleet
+from tests import benchmark_modules
 
-# Loaded from its file: the benchmarks folder is not a package and stays off sys.path.
-_SPEC = importlib.util.spec_from_file_location(
-    "cache_ideals", Path(__file__).resolve().parent.parent / "benchmarks" / "cache_ideals.py"
-)
-assert _SPEC is not None and _SPEC.loader is not None
-cache_ideals_module = importlib.util.module_from_spec(_SPEC)
-sys.modules[_SPEC.name] = cache_ideals_module  # its dataclass looks itself up there
-_SPEC.loader.exec_module(cache_ideals_module)
+cache_ideals_module = benchmark_modules.load("cache_ideals")
 cache_ideals = cache_ideals_module.cache_ideals
 prefill_seconds = cache_ideals_module.prefill_seconds
 
