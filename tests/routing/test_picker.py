@@ -167,7 +167,7 @@ def test_explain_header(mode, header, shown):
         assert explained.startswith(b"policy=kvgate; rule=default; objective=latency; ")
         assert b"; a score=" in explained and b"predicted_ttft=" in explained
         for term in (b"prompt_tokens=", b"held_blocks=", b"uncached=", b"evicts_age=room",
-                     b"queued_tokens=", b"decoding=", b"waiting="):  # fmt: skip
+                     b"free_blocks=", b"queued_tokens=", b"decoding=", b"waiting="):  # fmt: skip
             assert term in explained
 
 
