@@ -71,10 +71,10 @@ import httpx
 import peer_router
 import precise_cost
 import routing_report
-from cache_ideals import cache_ideals
+from cache_ideals import CacheIdeals, cache_ideals
 from chat_stream import Streamed, client_session, stream_chat
 from routing_report import SLOW_TTFT_SECONDS, Row
-from schedule_estimates import estimates
+from schedule_estimates import ScheduleEstimates, estimates
 from services import (
     BENCH_DIR,
     PYTHON,
@@ -589,12 +589,10 @@ def run_workload(args: argparse.Namespace, workload: str) -> tuple[list[Row], st
         found, probes = search_loads(args, workload, light, multiples)
         found[1.0] = light
         loads = [(name, found[LOADS[name]]) for name in wanted]
-    capacity = args.engines * args.kv_blocks
     rows = []
     for label, rate in loads:
         plans = WORKLOADS[workload](rate, args)
-        ideals = cache_ideals([p.body for p in plans], capacity, speed=args.speed)
-        schedules = estimates([p.at for p in plans], ideals.ttft_floors, args.engines)
+        ideals, schedules = offline_figures(args, plans)
         for router in routers:
             runs = [probes[rate]] if router == "round_robin" and rate in probes else []
             while len(runs) < args.repeats:
@@ -612,16 +610,21 @@ def run_workload(args: argparse.Namespace, workload: str) -> tuple[list[Row], st
     return rows, search
 
 
+def offline_figures(
+    args: argparse.Namespace, plans: list[Planned]
+) -> tuple[CacheIdeals, ScheduleEstimates]:
+    """What no router can beat on `plans` (cache_ideals.py) and what two idealised schedules
+    of the same work would give (schedule_estimates.py), on the fleet of `args`."""
+    ideals = cache_ideals([p.body for p in plans], args.engines * args.kv_blocks, speed=args.speed)
+    return ideals, estimates([p.at for p in plans], ideals.ttft_floors, args.engines)
+
+
 def print_estimates(args: argparse.Namespace) -> None:
     """`--estimates`: what no router can beat and what two idealised schedules would give,
     per workload and rate of `--rates`, without running anything."""
     for workload in args.workloads.split(","):
         for label, rate in labelled_rates(args.rates, workload) or []:
-            plans = WORKLOADS[workload](rate, args)
-            ideals = cache_ideals(
-                [p.body for p in plans], args.engines * args.kv_blocks, speed=args.speed
-            )
-            schedules = estimates([p.at for p in plans], ideals.ttft_floors, args.engines)
+            ideals, schedules = offline_figures(args, WORKLOADS[workload](rate, args))
             print(
                 f"{workload} {label} ({rate:g} req/s): TTFT p50 / p90 s: floor "
                 f"{ideals.ttft_floor(0.5):.3f} / {ideals.ttft_floor(0.9):.3f}, shortest first "
