@@ -27,6 +27,9 @@ INFERENCE_ROUTES: dict[str, str] = {
     "/v1/embeddings": "embeddings",
     "/v1/responses": "responses",
 }
+# Embeddings answer with one JSON object whatever the body says: vLLM ignores a `stream` field
+# there, so the gateway passes it through and never expects a stream back.
+_STREAMING_ROUTES = frozenset({"chat", "completions", "responses"})
 
 
 async def read_body(
@@ -240,7 +243,7 @@ def parse_payload(route: str, body: bytes) -> tuple[dict[str, Any], str, bool]:
         _check_response_input(payload)
     else:
         _check_carrier(payload, "input")
-    stream = _check_common(payload) if route != "embeddings" else False
+    stream = _check_common(payload) if route in _STREAMING_ROUTES else False
     return payload, model, stream
 
 
@@ -269,7 +272,7 @@ def request_context(
         body=body,
         payload=payload,
         model=str(payload.get("model", "")),
-        stream=payload.get("stream") is True,
+        stream=route in _STREAMING_ROUTES and payload.get("stream") is True,
         options=options,
         view=PromptView(route, payload, chars_per_token),
         started=time.perf_counter() if started is None else started,

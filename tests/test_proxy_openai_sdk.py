@@ -32,6 +32,22 @@ def test_non_streaming_chat_completions_and_embeddings(upstream, gateway):
     ]
 
 
+def test_embeddings_with_a_stream_field_are_answered_and_never_count_against_the_engine(
+    upstream, gateway
+):
+    """Embeddings never stream: vLLM ignores a `stream` field there and answers JSON. The
+    gateway passes the field through and relays that answer; expecting a stream instead made
+    every such request a 502 and a failure of the endpoint, so a few of them opened its
+    breaker."""
+    engine, _ = upstream
+    _, server = gateway
+    client = _client(server)
+    for _ in range(12):
+        embedding = client.embeddings.create(model="m1", input="x", extra_body={"stream": True})
+        assert embedding.data[0].embedding == [0.1, 0.2]
+    assert [r.body.get("stream") for r in engine.inference_requests] == [True] * 12
+
+
 def test_streaming_chat_with_usage(upstream, gateway):
     engine, _ = upstream
     engine.script.chunks = 4

@@ -87,7 +87,7 @@ class ScriptedUpstream:
         self.received.append(Received(path, headers, payload, scope.get("client"), body))
         watcher = asyncio.ensure_future(self._watch(receive))
         try:
-            await self._answer(send, payload)
+            await self._answer(send, payload, path)
         finally:
             watcher.cancel()
 
@@ -97,7 +97,7 @@ class ScriptedUpstream:
             self.disconnects.append(time.monotonic())
             self.disconnected.set()
 
-    async def _answer(self, send: Any, payload: dict[str, Any]) -> None:
+    async def _answer(self, send: Any, payload: dict[str, Any], path: str) -> None:
         script = self.script
         if script.hang:
             await asyncio.sleep(3600)
@@ -115,7 +115,7 @@ class ScriptedUpstream:
             )
             await _reply(send, script.status, body, script.extra_headers)
             return
-        if not payload.get("stream"):
+        if not payload.get("stream") or path == "/v1/embeddings":  # vLLM ignores it there
             body = script.answer_body or orjson.dumps(_completion(payload))
             await _reply(send, 200, body, script.extra_headers)
             return
