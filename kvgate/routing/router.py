@@ -39,6 +39,11 @@ class EndpointPicker(Protocol):
         nobody serves and Overloaded when no endpoint can take it now."""
         ...
 
+    def refused(self, ctx: RequestContext, endpoint: Endpoint) -> None:
+        """`endpoint`'s engine answered `ctx` with an error instead of running it: what the
+        decision to send it there recorded is forgotten."""
+        ...
+
 
 def routable_candidates(
     fleet: Fleet,
@@ -106,6 +111,10 @@ class PolicyPicker:
     def choose(self, ctx: RequestContext, exclude: Collection[Endpoint] = ()) -> Endpoint:
         profile, rule = self.policy.profile_for(ctx)
         return self._choose(ctx, exclude, profile, rule, profile.pools or (self.pool,), True)
+
+    def refused(self, ctx: RequestContext, endpoint: Endpoint) -> None:
+        if ctx.prefix is not None:
+            self.services.forget_refused(ctx.prefix, endpoint.name)
 
     def uncached_tokens(self, ctx: RequestContext) -> int:
         """Prompt tokens the endpoint holding most of this prompt would prefill (the whole
@@ -262,6 +271,11 @@ class PoolRouter:
         if pool is not None:
             return self.pickers[pool].choose(ctx, exclude)
         return routable_candidates(self.fleet, ctx.model, exclude)[0]  # raises NotFound
+
+    def refused(self, ctx: RequestContext, endpoint: Endpoint) -> None:
+        picker = self.pickers.get(endpoint.pool)
+        if picker is not None:
+            picker.refused(ctx, endpoint)
 
     def fallback_model(self, ctx: RequestContext) -> str | None:
         pool = self.fleet.home_pool(ctx.model)

@@ -120,6 +120,18 @@ class RoutingServices:
             room_of=self.index.room,
         )
 
+    def forget_refused(self, prefix: PrefixMatch, endpoint: str) -> None:
+        """The engine at `endpoint` answered the request with an error instead of running it
+        (a prompt too long, a bad parameter, an overloaded engine), so it cached nothing of
+        it: the blocks the decision recorded there beyond those the endpoint already held
+        are forgotten, or the next request with this prompt would be sent there for a hit
+        the engine never had. Only this process's index forgets (replicas that took the
+        decision's delta correct it from their own answers); a precise endpoint's
+        speculative entry expires on its own."""
+        held = prefix.matched.get(endpoint, 0)
+        if held < prefix.blocks and prefix.hashes:
+            self.index.evict(endpoint, (prefix.hashes[held],))
+
     def record_precise(self, prefix: PrefixMatch, endpoint: str) -> None:
         """The decision for a request with this match went to `endpoint` (speculative entry
         in the precise index; the endpoint's event stream is now expected to move)."""

@@ -18,7 +18,13 @@ import asyncio
 
 from kvgate.asgi import Send
 from kvgate.config import TimeoutsConfig
-from kvgate.errors import KvgateError, Overloaded, UpstreamFailed, drop_tracebacks
+from kvgate.errors import (
+    KvgateError,
+    Overloaded,
+    UpstreamError,
+    UpstreamFailed,
+    drop_tracebacks,
+)
 from kvgate.routing.endpoints import Endpoint
 from kvgate.routing.router import EndpointPicker
 from kvgate.types import RequestContext
@@ -99,6 +105,8 @@ class Forwarder:
                     raise self._final(last_error) from None
                 except KvgateError as error:
                     tried.append(endpoint)
+                    if isinstance(error, UpstreamError) and self.picker is not None:
+                        self.picker.refused(ctx, endpoint)
                     drop_tracebacks(error)  # kept for its fields while the next attempt runs
                     last_error = error
                     if holding_retry:

@@ -227,3 +227,31 @@ def test_drift_is_exported_and_small_when_the_index_is_right(start_gateway):
     )
     assert predicted > 1000 and cached > 1000  # the shared system prompt was found again
     assert abs(predicted - cached) <= 0.1 * predicted
+
+
+def test_a_prompt_the_engine_refuses_leaves_nothing_in_the_index(start_gateway):
+    """The engine answers 400 (prompt and max_tokens beyond its context) without running the
+    prompt, so it caches none of it: what the decision recorded is forgotten, and the same
+    prompt sent again within the request is not predicted as a hit the engine never had."""
+    options = EngineOptions(profile="fast", kv_blocks=2000)
+    with SimFleet.in_thread(engines=1, options=options) as fleet:
+        config = gateway_config(fleet.urls)
+        config["pools"][0]["models"] = ["sim-model"]
+        app, server = start_gateway(config)
+        name = app.fleet.endpoints[0].name
+        body = {
+            "model": "sim-model",
+            "max_tokens": 1_000_000,
+            "messages": [{"role": "user", "content": "a prompt nobody sent before " * 60}],
+        }
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            refused = client.post("/v1/chat/completions", json=body)
+            assert refused.status_code == 400
+            assert refused.json()["error"]["code"] == "context_length_exceeded"
+            assert app.routing.index.entries(name) == 0
+            body["max_tokens"] = 4
+            assert client.post("/v1/chat/completions", json=body).status_code == 200
+    drift = app.routing.feedback.drift[name]
+    assert drift.predicted_tokens == 0
+    assert drift.over == drift.in_flight == 0
+    assert app.routing.index.entries(name) > 0  # the answered prompt is recorded

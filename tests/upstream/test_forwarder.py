@@ -98,6 +98,9 @@ class FirstRoutable:
     def choose(self, ctx: RequestContext, exclude: Collection[Endpoint] = ()) -> Endpoint:
         return routable_candidates(self.fleet, ctx.model, exclude)[0]
 
+    def refused(self, ctx: RequestContext, endpoint: Endpoint) -> None:
+        """Records nothing when choosing, so nothing to forget."""
+
 
 class Denials(NullObserver):
     def __init__(self) -> None:
