@@ -72,3 +72,28 @@ def test_alert_rules_are_valid_and_query_only_exported_metrics():
 
 def test_an_unknown_metric_is_caught():
     assert _unknown(["rate(kvgate_no_such_metric_total[5m])"]) == {"kvgate_no_such_metric_total"}
+
+
+def _documented_metrics() -> list[str]:
+    """The metric families in docs/observability.md's tables, one per name written, where a
+    row may add siblings by their differing end (`kvgate_a_b_total`, `_c_total` names
+    `kvgate_a_c_total`)."""
+    names: list[str] = []
+    for line in (ROOT / "docs" / "observability.md").read_text().splitlines():
+        if not line.startswith("| `kvgate_"):
+            continue
+        base = ""
+        for name in re.findall(r"`([a-z_]+)`", line.split("|")[1]):
+            if name.startswith("kvgate_"):
+                base = name
+            else:
+                kept = 2 if base.endswith("_total") else 1
+                name = base.rsplit("_", kept)[0] + name
+            names.append(_family(name))
+    return names
+
+
+def test_the_observability_doc_lists_every_exported_metric_once():
+    documented = _documented_metrics()
+    assert len(documented) == len(set(documented)), "a metric documented twice"
+    assert set(documented) == exported_families()
