@@ -153,18 +153,21 @@ def _check_common(payload: dict[str, Any]) -> bool:
             raise InvalidRequest(
                 "'stream_options' is only allowed when 'stream' is true", param="stream_options"
             )
-    for key in ("max_tokens", "max_completion_tokens"):
-        value = payload.get(key)
-        if value is not None and (not _is_int(value) or value < 1):
-            raise InvalidRequest(
-                f"'{key}' must be an integer of at least 1", param=key, code="invalid_value"
-            )
-    n = payload.get("n")
-    if n is not None and (not _is_int(n) or n < 1):
-        raise InvalidRequest(
-            "'n' must be an integer of at least 1", param="n", code="invalid_value"
-        )
+    for key in ("max_tokens", "max_completion_tokens", "n"):
+        _check_count(payload, key)
     return stream
+
+
+def _check_count(payload: dict[str, Any], key: str) -> None:
+    """An optional count: an integer (`invalid_type` otherwise) of at least 1
+    (`invalid_value`)."""
+    value = payload.get(key)
+    if value is None:
+        return
+    if not _is_int(value):
+        raise InvalidRequest(f"'{key}' must be an integer", param=key, code="invalid_type")
+    if value < 1:
+        raise InvalidRequest(f"'{key}' must be at least 1", param=key, code="invalid_value")
 
 
 def _check_depth(body: bytes, payload: dict[str, Any]) -> None:
@@ -194,13 +197,7 @@ def _check_tools(payload: dict[str, Any]) -> None:
 
 def _check_response_input(payload: dict[str, Any]) -> None:
     """OpenAI Responses `input`: a string, or a non-empty array of input items (objects)."""
-    value = payload.get("max_output_tokens")
-    if value is not None and (not _is_int(value) or value < 1):
-        raise InvalidRequest(
-            "'max_output_tokens' must be an integer of at least 1",
-            param="max_output_tokens",
-            code="invalid_value",
-        )
+    _check_count(payload, "max_output_tokens")
     if "input" not in payload:
         raise InvalidRequest(
             "'input' is a required property", param="input", code="missing_required_parameter"

@@ -115,6 +115,34 @@ def test_invalid_bodies_are_400_naming_the_field(upstream, gateway, path, body, 
     assert app.fleet.endpoints[0].inflight == 0
 
 
+@pytest.mark.parametrize(
+    ("path", "field", "value", "code"),
+    [
+        (CHAT_URL, "max_tokens", "9", "invalid_type"),
+        (CHAT_URL, "max_tokens", True, "invalid_type"),
+        (CHAT_URL, "max_tokens", 0, "invalid_value"),
+        (CHAT_URL, "max_completion_tokens", 2.5, "invalid_type"),
+        (CHAT_URL, "n", -1, "invalid_value"),
+        ("/v1/completions", "n", "2", "invalid_type"),
+        ("/v1/responses", "max_output_tokens", "5", "invalid_type"),
+        ("/v1/responses", "max_output_tokens", 0, "invalid_value"),
+    ],
+)
+def test_a_count_of_the_wrong_type_and_one_out_of_range_get_their_own_codes(
+    upstream, gateway, path, field, value, code
+):
+    engine, _ = upstream
+    _, server = gateway
+    carrier = {
+        CHAT_URL: {"messages": MSGS},
+        "/v1/completions": {"prompt": "x"},
+        "/v1/responses": {"input": "x"},
+    }[path]
+    response = httpx.post(server.url + path, json={"model": "m1", **carrier, field: value})
+    assert _assert_openai_error(response, 400, field)["code"] == code
+    assert engine.inference_requests == []
+
+
 def test_every_shape_openai_allows_reaches_the_engine_untouched(upstream, gateway):
     engine, _ = upstream
     _, server = gateway
