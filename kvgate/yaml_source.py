@@ -72,8 +72,11 @@ def parse_yaml(text: str) -> YamlDocument:
         reason = getattr(exc, "problem", None) or str(exc)
         raise YamlSourceError([f"{where}: invalid YAML: {reason}"]) from None
     marks: dict[Loc, tuple[int, int]] = {}
+    duplicates: list[str] = []
     if root is not None:
-        _walk(root, (), marks)
+        _walk(root, (), marks, duplicates)
+    if duplicates:
+        raise YamlSourceError(duplicates)
     return YamlDocument(data, marks)
 
 
@@ -86,15 +89,26 @@ def read_yaml(path: str | Path) -> YamlDocument:
     return parse_yaml(text)
 
 
-def _walk(node: yaml.Node, loc: Loc, marks: dict[Loc, tuple[int, int]]) -> None:
+def _walk(
+    node: yaml.Node, loc: Loc, marks: dict[Loc, tuple[int, int]], duplicates: list[str]
+) -> None:
+    """Record where every key and item was written; a key written twice in one mapping (YAML
+    keeps the last silently, so the first would be ignored without a word) is a problem."""
     if isinstance(node, yaml.MappingNode):
         for key_node, value_node in node.value:
             key = key_node.value
             here = (*loc, key)
-            marks[here] = (key_node.start_mark.line + 1, key_node.start_mark.column + 1)
-            _walk(value_node, here, marks)
+            mark = (key_node.start_mark.line + 1, key_node.start_mark.column + 1)
+            first = marks.get(here)
+            if first is not None and key != "<<":
+                duplicates.append(
+                    f"line {mark[0]}, column {mark[1]}: {key_path(here)}: duplicate key (first"
+                    f" written at line {first[0]}); YAML would keep only this one"
+                )
+            marks[here] = mark
+            _walk(value_node, here, marks, duplicates)
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
             here = (*loc, i)
             marks[here] = (item.start_mark.line + 1, item.start_mark.column + 1)
-            _walk(item, here, marks)
+            _walk(item, here, marks, duplicates)

@@ -147,6 +147,27 @@ def test_invalid_yaml_names_the_line(tmp_path):
     assert problems[0].startswith("line ")
 
 
+def test_a_key_written_twice_is_refused_not_silently_overridden(tmp_path):
+    problems = _problems(
+        tmp_path,
+        """\
+        server:
+          port: 8080
+          port: 9090
+        pools:
+          - name: a
+            endpoints: [{url: "http://h:1"}]
+            name: b
+        """,
+    )
+    assert problems == [
+        "line 3, column 3: server.port: duplicate key (first written at line 2); YAML would"
+        " keep only this one",
+        "line 7, column 5: pools[0].name: duplicate key (first written at line 5); YAML would"
+        " keep only this one",
+    ]
+
+
 def test_missing_pools_and_wrong_top_level(tmp_path):
     assert _problems(tmp_path, "server: {port: 1}\n") == ["pools: Field required"]
     with pytest.raises(ConfigError):
