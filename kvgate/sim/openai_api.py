@@ -5,6 +5,7 @@ what vLLM validates before a stream starts, notably the context length. Builders
 plain dicts ready for JSON encoding; `flavor` picks vLLM's or SGLang's error shape.
 """
 
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -86,6 +87,7 @@ def parse_generation(kind: str, body: Any, options: EngineOptions, arrival: floa
     model = resolve_model(body, options)
     if body.get("n", 1) != 1:
         raise ApiError(400, "the simulator only supports n=1", "n")
+    _check_sampling(body)
     if kind == CHAT:
         try:
             prompt = render_chat(
@@ -119,6 +121,44 @@ def parse_generation(kind: str, body: Any, options: EngineOptions, arrival: floa
         include_usage=include_usage,
         request=GenerationRequest(f"{prefix}{request_id}", prompt, prompt_tokens, params, arrival),
     )
+
+
+# vLLM's ranges for the sampling parameters the simulator accepts and ignores (its text does
+# not depend on them): (lowest, highest, whether the lowest itself is allowed).
+_SAMPLING_RANGES: dict[str, tuple[float, float, bool]] = {
+    "temperature": (0.0, math.inf, True),
+    "top_p": (0.0, 1.0, False),
+    "min_p": (0.0, 1.0, True),
+    "presence_penalty": (-2.0, 2.0, True),
+    "frequency_penalty": (-2.0, 2.0, True),
+    "repetition_penalty": (0.0, math.inf, False),
+}
+
+
+def _check_sampling(body: dict[str, Any]) -> None:
+    """Refuse what vLLM refuses (a 400 naming the parameter): a sampling parameter that is not
+    a number or is out of its range, a `top_k` below -1 or not an integer, a `seed` that is
+    not an integer."""
+    for name, (low, high, low_allowed) in _SAMPLING_RANGES.items():
+        value = body.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise ApiError(400, f"{name} must be a number, got {value!r}.", name)
+        if value < low or (value == low and not low_allowed) or value > high:
+            opening = "[" if low_allowed else "("
+            closing = "]" if high < math.inf else ")"
+            raise ApiError(
+                400, f"{name} must be in {opening}{low:g}, {high:g}{closing}, got {value}.", name
+            )
+    for name in ("top_k", "seed"):
+        value = body.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ApiError(400, f"{name} must be an integer, got {value!r}.", name)
+    top_k = body.get("top_k")
+    if top_k is not None and top_k < -1:
+        message = f"top_k must be at least -1 (-1 and 0 disable it), got {top_k}."
+        raise ApiError(400, message, "top_k")
 
 
 def _completion_prompt(prompt: Any) -> str:

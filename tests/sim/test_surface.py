@@ -107,6 +107,39 @@ async def test_too_long_prompt_is_a_400_before_any_stream(flavor):
     assert unknown.status_code == 404
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", "hot"),
+        ("temperature", -3),
+        ("top_p", 5),
+        ("top_p", 0),
+        ("min_p", 1.5),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3),
+        ("repetition_penalty", 0),
+        ("top_k", -2),
+        ("top_k", 1.5),
+        ("seed", "s"),
+    ],
+)
+async def test_sampling_parameters_out_of_range_are_a_400_naming_them(field, value):
+    options = EngineOptions(profile="fast")
+    async with SimFleet(1, options=options) as fleet, httpx.AsyncClient(timeout=10) as client:
+        bad = await client.post(
+            f"{fleet.urls[0]}/v1/chat/completions", json={**chat_body("hi"), field: value}
+        )
+        good = await client.post(
+            f"{fleet.urls[0]}/v1/completions",
+            json={"model": "sim-model", "prompt": "hi", "max_tokens": 2, "temperature": 0,
+                  "top_p": 1, "top_k": -1, "seed": 7, "repetition_penalty": 1.1},
+        )  # fmt: skip
+    assert bad.status_code == 400
+    error = bad.json()["error"]
+    assert error["param"] == field and field in error["message"]
+    assert good.status_code == 200
+
+
 async def test_models_health_embeddings_and_priority():
     options = EngineOptions(profile="fast", models=["alpha", "beta"], scheduling_policy="fcfs")
     async with SimFleet(1, options=options) as fleet, httpx.AsyncClient(timeout=10) as client:
