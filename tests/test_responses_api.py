@@ -37,6 +37,7 @@ def test_responses_with_the_sdk(client):
         model="sim-model", input="Tell me a story", max_output_tokens=6
     )
     assert response.object == "response" and response.status == "incomplete"
+    assert [item.status for item in response.output] == ["incomplete"]  # cut, as the response
     assert response.output_text
     assert response.usage is not None
     assert response.usage.output_tokens == 6
@@ -58,6 +59,8 @@ def test_streamed_responses_with_the_sdk(client):
     assert kinds.count("response.output_text.delta") == 5
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert events[-1].response.output_text == text
+    done = [e.item.status for e in events if e.type == "response.output_item.done"]
+    assert done == ["incomplete"]
     assert [e.sequence_number for e in events] == list(range(len(events)))
 
 

@@ -101,11 +101,16 @@ def _message_id(generation: Generation) -> str:
 
 
 def _message(generation: Generation, text: str | None) -> dict[str, Any]:
-    """The assistant message item: in progress and empty (None), or completed with `text`."""
+    """The assistant message item: in progress and empty (None), or done with `text`:
+    `incomplete` when `max_output_tokens` cut it, as the response is, else `completed`."""
+    if text is None:
+        status = "in_progress"
+    else:
+        status = "incomplete" if generation.request.finish_reason == "length" else "completed"
     return {
         "type": "message",
         "id": _message_id(generation),
-        "status": "in_progress" if text is None else "completed",
+        "status": status,
         "role": "assistant",
         "content": [] if text is None else [_part(text)],
     }
