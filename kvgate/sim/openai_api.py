@@ -166,6 +166,8 @@ def _completion_prompt(prompt: Any) -> str:
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise ApiError(400, "the simulator needs `prompt` to be one string", "prompt")
+    if not prompt:
+        raise ApiError(400, "Prompt cannot be empty", "prompt")  # as vLLM answers
     return prompt
 
 

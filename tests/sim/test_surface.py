@@ -140,6 +140,16 @@ async def test_sampling_parameters_out_of_range_are_a_400_naming_them(field, val
     assert good.status_code == 200
 
 
+async def test_an_empty_completion_prompt_is_a_400():
+    options = EngineOptions(profile="fast")
+    async with SimFleet(1, options=options) as fleet, httpx.AsyncClient(timeout=10) as client:
+        response = await client.post(
+            f"{fleet.urls[0]}/v1/completions", json={"model": "sim-model", "prompt": ""}
+        )
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == "Prompt cannot be empty"
+
+
 async def test_models_health_embeddings_and_priority():
     options = EngineOptions(profile="fast", models=["alpha", "beta"], scheduling_policy="fcfs")
     async with SimFleet(1, options=options) as fleet, httpx.AsyncClient(timeout=10) as client:
