@@ -235,7 +235,8 @@ class Pool:
 
     @property
     def ready(self) -> bool:
-        return any(e.healthy for e in self.endpoints)
+        """Some endpoint can take new requests: healthy and not drained by an operator."""
+        return any(e.healthy and not e.drained for e in self.endpoints)
 
 
 def build_pool(config: PoolConfig, routing: RoutingConfig | None = None) -> Pool:

@@ -158,6 +158,11 @@ def test_draining_every_endpoint_answers_503(served):
     answer = chat(base)
     assert answer.status_code == 503
     assert answer.json()["error"]["code"] == "no_healthy_endpoint"
+    ready = httpx.get(f"{base}/readyz", timeout=10)  # nothing to serve: out of rotation
+    assert ready.status_code == 503
+    assert ready.json()["pools_without_healthy_endpoint"] == ["sim"]
+    httpx.post(f"{base}/admin/endpoints/sim-1/undrain", headers=ADMIN, timeout=10)
+    assert httpx.get(f"{base}/readyz", timeout=10).status_code == 200
 
 
 BAD_INPUTS = [
