@@ -32,6 +32,7 @@ from kvgate.routing.prefix_index import PrefixIndex
 from kvgate.types import Headers
 from kvgate.upstream.breaker import BreakerState
 from kvgate.upstream.resilience import Resilience
+from kvgate.yaml_source import is_secret_name
 
 log = logging.getLogger("kvgate.admin")
 
@@ -39,10 +40,6 @@ _ENDPOINTS = "/admin/endpoints"
 _CONFIG = "/admin/config"
 _ACTIONS = {"drain": True, "undrain": False}
 REDACTED = "***"
-# A string is secret when the last word of its key (split at `_`) is one of these.
-_SECRET_WORDS = frozenset(
-    {"key", "secret", "password", "passwd", "token", "sha256", "credential", "credentials"}
-)
 
 
 class FleetAdminRoutes:
@@ -190,14 +187,10 @@ def _redacted(node: object, name: str) -> object:
     if isinstance(node, list):
         return [_redacted(value, name) for value in node]
     if isinstance(node, str):
-        if node and _secret_name(name):
+        if node and is_secret_name(name):
             return REDACTED
         return _without_credentials(node)
     return node
-
-
-def _secret_name(name: str) -> bool:
-    return name.lower().rsplit("_", 1)[-1] in _SECRET_WORDS
 
 
 def _without_credentials(text: str) -> str:
@@ -219,5 +212,5 @@ def _without_credentials(text: str) -> str:
     query = parts.query
     if query:
         pairs = parse_qsl(query, keep_blank_values=True)
-        query = urlencode([(k, REDACTED if _secret_name(k) else v) for k, v in pairs], safe="*")
+        query = urlencode([(k, REDACTED if is_secret_name(k) else v) for k, v in pairs], safe="*")
     return urlunsplit(parts._replace(netloc=netloc, query=query))

@@ -12,8 +12,11 @@ from typing import Any
 import yaml
 
 Loc = tuple[str | int, ...]
-# Keys whose values are never shown in an error message.
-_SECRET_WORDS = ("key", "secret", "password", "token", "sha256", "credential")
+# A key names a secret when its last word (split at `_`) is one of these: `api_key`,
+# `sha256`, `cache_salt_secret`, `hf_token`, but not `tokens_per_minute` or `max_tokens`.
+_SECRET_WORDS = frozenset(
+    {"key", "secret", "password", "passwd", "token", "sha256", "credential", "credentials"}
+)
 _MAX_SHOWN = 60
 
 
@@ -52,10 +55,17 @@ def key_path(loc: Sequence[str | int]) -> str:
     return out or "(top level)"
 
 
+def is_secret_name(name: str) -> bool:
+    """Whether a config key names a secret (its value is never shown or served)."""
+    return name.lower().rsplit("_", 1)[-1] in _SECRET_WORDS
+
+
 def shown_value(loc: Sequence[str | int], value: Any) -> str:
-    """The offending value for an error message: short, and masked under secret-like keys."""
+    """The offending value for an error message: short, and masked under a key that names a
+    secret unless it is a number or a boolean (never a credential; `first_token: -1` is a
+    timeout)."""
     names = [p for p in loc if isinstance(p, str)]
-    if names and any(word in names[-1].lower() for word in _SECRET_WORDS):
+    if names and is_secret_name(names[-1]) and not isinstance(value, int | float):
         return "'***'"
     text = repr(value)
     return text if len(text) <= _MAX_SHOWN else text[: _MAX_SHOWN - 3] + "..."

@@ -124,6 +124,22 @@ def test_secret_values_are_masked_in_problems(tmp_path):
     assert "'***'" in problem and "hunter2" not in problem
 
 
+def test_values_under_keys_that_only_mention_tokens_are_shown(tmp_path):
+    """`tokens_per_minute` and `first_token` name no secret: their bad values are shown."""
+    problems = _problems(
+        tmp_path,
+        """\
+        pools:
+          - name: a
+            endpoints: [{url: "http://h:1"}]
+        timeouts: {first_token: -1}
+        classification: {default_max_tokens: -3}
+        """,
+    )
+    assert any("first_token" in p and "(got -1)" in p for p in problems), problems
+    assert any("default_max_tokens" in p and "(got -3)" in p for p in problems), problems
+
+
 def test_cross_checks_duplicates(tmp_path):
     problems = _problems(
         tmp_path,
