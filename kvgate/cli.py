@@ -23,6 +23,7 @@ from kvgate.routing.policy import RoutingPolicy
 from kvgate.routing.policy_catalog import BUILTIN, load_policies, shipped_names, shipped_text
 from kvgate.routing.prompt_tokens import load_tokenizers
 from kvgate.serving import uvicorn_options
+from kvgate.worker_supervisor import serve_workers
 
 if TYPE_CHECKING:
     from kvgate.hot_reload import ReloadableGateway
@@ -90,8 +91,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         # fresh directory per run, so a restarted gateway starts its counters from zero.
         with tempfile.TemporaryDirectory(prefix="kvgate-metrics-") as metrics_dir:
             os.environ[MULTIPROCESS_DIR] = metrics_dir
-            uvicorn.run(
-                "kvgate.hot_reload:app_from_env", factory=True, workers=args.workers, **options
+            serve_workers(
+                uvicorn.Config(
+                    "kvgate.hot_reload:app_from_env",
+                    factory=True,
+                    workers=args.workers,
+                    **options,
+                )
             )
         return 0
     try:

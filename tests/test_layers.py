@@ -43,6 +43,7 @@ _MODULE_LAYERS = {
     "kvgate.cli": "cli",
     "kvgate.demo": "cli",
     "kvgate.serving": "cli",
+    "kvgate.worker_supervisor": "cli",
     "kvgate.http_server": "base",
     "kvgate.sim_tokenizer": "sim_text",
     "kvgate.sim_chat_template": "sim_text",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -23,6 +24,7 @@ from tests.observability.serving import (
     free_port,
     write_config,
 )
+from tests.observability.test_drain import LongStream
 from tests.redis_server import RedisServer
 
 pytestmark = pytest.mark.timeout(120)
@@ -215,3 +217,32 @@ def test_workers_are_replaced_on_reload_and_a_broken_config_keeps_the_old_ones(t
                 assert time.monotonic() < deadline, "some worker never served the new config"
                 time.sleep(0.2)
             assert gateway.proc.poll() is None
+
+
+def test_a_draining_multi_worker_gateway_refuses_new_connections_and_finishes_its_stream(
+    tmp_path, redis
+):
+    """As one process does: on SIGTERM the listener closes at once, so a client or load balancer
+    that connects during the drain is refused instead of waiting in a backlog nobody reads (and
+    being reset when the process exits), while the stream in flight finishes."""
+    options = EngineOptions(models=["sim-model"], profile="realistic")
+    with SimFleet.in_thread(engines=1, options=options) as fleet:
+        port = free_port()
+        config = write_config(
+            tmp_path / "gw.yaml", fleet.urls, port, redis_url=redis.url,
+            server={"drain_seconds": 20},
+        )  # fmt: skip
+        with Serve(config, port, 2) as gateway:
+            stream = LongStream(gateway.base, tokens=200)  # about 3 s
+            gateway.signal(signal.SIGTERM)
+            refused_at = None
+            deadline = time.monotonic() + 10
+            while refused_at is None and time.monotonic() < deadline:
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                except ConnectionRefusedError:
+                    refused_at = time.monotonic()
+                time.sleep(0.05)
+            assert refused_at is not None, "the draining gateway still accepted connections"
+            assert stream.last_event() == "[DONE]"
+            assert stream.ended > refused_at  # refused while the stream still ran
