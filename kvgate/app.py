@@ -40,7 +40,7 @@ from kvgate.observability.routing import RoutingCollector
 from kvgate.observability.state import StateCollector
 from kvgate.observability.tracing import build_tracing
 from kvgate.request_options import REQUEST_ID, parse_request_options, request_id_from
-from kvgate.routing.endpoints import Fleet, build_pool
+from kvgate.routing.endpoints import Endpoint, Fleet, build_pool
 from kvgate.routing.health import HealthMonitor
 from kvgate.routing.policy_catalog import load_policies
 from kvgate.routing.precise import PreciseRouting
@@ -165,7 +165,7 @@ class GatewayApp:
             ProcessCollector(),
         )
         self.health = HealthMonitor(
-            self.fleet, self.client, config.health, on_recovered=self.resilience.health_recovered
+            self.fleet, self.client, config.health, on_recovered=self._endpoint_recovered
         )
         self.telemetry = TelemetryScraper(
             self.fleet,
@@ -193,6 +193,11 @@ class GatewayApp:
             settle=self._settle,
             tracing=self.tracing,
         )
+
+    def _endpoint_recovered(self, endpoint: Endpoint) -> None:
+        """The health monitor saw `endpoint` pass its check after failing it."""
+        self.resilience.health_recovered(endpoint)
+        self.routing.endpoint_recovered(endpoint)
 
     def _index_mode(self, endpoint: str) -> tuple[str, str] | None:
         """The endpoint's prefix-index mode for the admin API (None: no KV events)."""

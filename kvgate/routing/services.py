@@ -3,6 +3,7 @@ session table and the explain setting; and the producer step that matches a prom
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ from kvgate.routing.prefix_index import PrefixIndex
 from kvgate.routing.settings import ExplainMode, RoutingConfig
 from kvgate.routing.telemetry import EngineTelemetry
 from kvgate.types import RequestContext
+
+log = logging.getLogger("kvgate.routing")
 
 
 @dataclass(slots=True)
@@ -119,6 +122,19 @@ class RoutingServices:
             eviction_touch_of=self.index.eviction_touch,
             room_of=self.index.room,
         )
+
+    def endpoint_recovered(self, endpoint: Endpoint) -> None:
+        """`endpoint` passed its health check after failing it: its engine may have restarted,
+        and a restarted engine's prefix cache is empty, so both indexes forget what they
+        held there (the engine's KV events, if any, then rebuild the precise one). Kept, a
+        stale index would send every request with those prefixes to a cold cache at once;
+        forgotten, it costs one cold placement per prefix when the engine had kept its cache
+        (an outage without a restart). The prefix index is this process's: other replicas
+        forget when their own health checks see the outage."""
+        self.index.clear(endpoint.name)
+        if self.precise is not None and self.precise.mode(endpoint.name) is not None:
+            self.precise.cleared(endpoint.name)
+        log.info("endpoint %s is back: its prefix index entries are forgotten", endpoint.name)
 
     def forget_refused(self, prefix: PrefixMatch, endpoint: str) -> None:
         """The engine at `endpoint` answered the request with an error instead of running it

@@ -219,3 +219,31 @@ async def test_malformed_event_payloads_are_counted_and_dropped(
             await until(lambda: precise.mode(name) == ("precise", "cleared"))
             assert (await client.get("/readyz")).json()["approximate_endpoints"] == []
     context.term()
+
+
+def test_an_endpoint_back_from_an_outage_holds_nothing_in_the_precise_index(
+    engines: SimFleet, start_gateway: Start
+) -> None:
+    """Its engine may have restarted empty, and a restarted engine's events say so only once it
+    next stores a block: the precise index forgets the endpoint's blocks when it passes its
+    health check again, so the first requests after the outage are not priced as hits."""
+    config = precise_config(engines)
+    config["health"] = {"interval": 0.1, "timeout": 0.05, "discovery_interval": 30}
+    app, server = start_gateway(config)
+    wait_for(lambda: set(modes(app).values()) == {"precise"})
+    wait_for(lambda: all(e.healthy for e in app.fleet.endpoints), seconds=30)
+    client = sdk_client(base_url=server.url + "/v1", api_key="none")
+    raw = client.chat.completions.with_raw_response.create(
+        model="sim-model", max_tokens=4, messages=[{"role": "user", "content": SYSTEMS[1]}]
+    )
+    name = raw.headers["x-kvgate-endpoint"]
+    caught_up(app, engines)
+    precise = app.routing.precise
+    assert precise is not None and precise.index.blocks(name) > 0
+    endpoint = next(e for e in app.fleet.endpoints if e.name == name)
+    victim = engines.engines[app.fleet.endpoints.index(endpoint)]
+    victim.set_fault({"mode": "refuse"})
+    wait_for(lambda: not endpoint.healthy)
+    victim.clear_fault()
+    wait_for(lambda: endpoint.healthy)
+    assert precise.index.blocks(name) == 0

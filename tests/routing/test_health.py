@@ -207,3 +207,24 @@ def test_an_idle_endpoint_whose_probes_hang_goes_unhealthy_and_panic_keeps_servi
     refused = httpx.post(strict.url + "/v1/chat/completions", json=chat(max_tokens=2))
     assert refused.status_code == 503
     assert refused.json()["error"]["code"] == "no_healthy_endpoint"
+
+
+def test_an_endpoint_back_from_an_outage_starts_with_an_empty_prefix_index(sim, start_gateway):
+    """An engine that could not be reached may have restarted with an empty cache: when its
+    endpoint passes its health check again, what the prefix index held there is forgotten,
+    so requests with those prefixes are not all sent to a cold cache for a hit."""
+    config = pool_config(sim, pool={"policy": "kvgate"}, health=FAST_PROBES)
+    app, server = start_gateway(config)
+    wait_for(lambda: all(e.healthy for e in app.fleet.endpoints), timeout=30)
+    prompt = chat("a prompt worth remembering " * 40, max_tokens=2)
+    name = httpx.post(server.url + "/v1/chat/completions", json=prompt).headers["x-kvgate-endpoint"]
+    endpoint = next(e for e in app.fleet.endpoints if e.name == name)
+    engine = sim.engines[app.fleet.endpoints.index(endpoint)]
+    held = app.routing.index.entries(name)
+    assert held > 0
+    engine.set_fault({"mode": "refuse"})
+    wait_for(lambda: not endpoint.healthy, timeout=10)
+    assert app.routing.index.entries(name) == held  # an outage alone forgets nothing
+    engine.clear_fault()
+    wait_for(lambda: endpoint.healthy, timeout=10)
+    assert app.routing.index.entries(name) == 0
