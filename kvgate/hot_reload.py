@@ -55,6 +55,7 @@ class ReloadableGateway:
         self.path = path
         self.supervised = supervised
         self.current = GatewayApp(load_config(path))
+        self.current.admin.earlier_inflight = self._earlier_inflight
         # Read at start, as the server's own grace is (docs/config.md).
         self.drain_seconds = self.current.config.server.drain_seconds
         self._drain_deadline: float | None = None
@@ -105,6 +106,7 @@ class ReloadableGateway:
                 await app.shutdown()
                 raise
             carry_over(self.current, app)
+            app.admin.earlier_inflight = self._earlier_inflight
             if self._drain_deadline is not None:
                 app.begin_drain(self._drain_deadline - asyncio.get_running_loop().time())
             old, self.current = self.current, app
@@ -114,6 +116,15 @@ class ReloadableGateway:
             else:
                 self._retired.add(old)
             return []
+
+    def _earlier_inflight(self, name: str) -> int:
+        """Requests still running on endpoint `name` in the apps a reload replaced."""
+        total = 0
+        for app in self._retired:
+            endpoint = app.fleet.endpoint(name)
+            if endpoint is not None:
+                total += endpoint.inflight
+        return total
 
     def _left(self, app: GatewayApp) -> None:
         remaining = self._inflight[app] - 1

@@ -102,13 +102,20 @@ def test_sighup_mid_stream_finishes_the_stream_and_serves_the_new_config(tmp_pat
     config = write_config(tmp_path / "gw.yaml", fleet.urls, port)
     with Serve(config, port) as gateway:
         assert _models(gateway.base) == ["sim-model"]
-        stream = SlowStream(gateway.base, tokens=150)
+        stream = SlowStream(gateway.base, tokens=300)  # about 4.5 s
         write_config(config, fleet.urls, port, extra_pool=newcomer.urls)
         gateway.signal(signal.SIGHUP)
         _wait_for_model(gateway.base, "sim-new")
+        # The stream runs on the replaced app; the endpoint still shows it in flight.
+        listed = httpx.get(
+            gateway.base + "/admin/endpoints",
+            headers={"authorization": f"Bearer {ADMIN_KEY}"},
+            timeout=5,
+        ).json()["data"]
+        assert {e["name"]: e["in_flight"] for e in listed}["sim-0"] == 1
         assert _chat(gateway.base, "sim-new").status_code == 200
         assert stream.result() == "length"
-        assert len(stream.chunks) >= 150
+        assert len(stream.chunks) >= 300
         # The stream is logged when it is settled, just after the client read its end.
         deadline = time.monotonic() + 10
         while not (streamed := [line for line in gateway.lines() if line.get("stream") is True]):
