@@ -5,6 +5,7 @@ from __future__ import annotations
 import textwrap
 
 import pytest
+import yaml
 
 from kvgate.config import ConfigError, load_config, parse_config
 
@@ -125,17 +126,13 @@ def test_secret_values_are_masked_in_problems(tmp_path):
 
 
 def test_values_under_keys_that_only_mention_tokens_are_shown(tmp_path):
-    """`tokens_per_minute` and `first_token` name no secret: their bad values are shown."""
-    problems = _problems(
-        tmp_path,
-        """\
-        pools:
-          - name: a
-            endpoints: [{url: "http://h:1"}]
-        timeouts: {first_token: -1}
-        classification: {default_max_tokens: -3}
-        """,
-    )
+    """`default_max_tokens` and `first_token` name no secret: their bad values are shown."""
+    sections = {
+        "pools": [{"name": "a", "endpoints": [{"url": "http://h:1"}]}],
+        "timeouts": {"first_token": -1},
+        "classification": {"default_max_tokens": -3},
+    }
+    problems = _problems(tmp_path, yaml.safe_dump(sections))
     assert any("first_token" in p and "(got -1)" in p for p in problems), problems
     assert any("default_max_tokens" in p and "(got -3)" in p for p in problems), problems
 
