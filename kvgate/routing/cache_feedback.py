@@ -11,10 +11,12 @@ request that reaches an engine teaches the index something.
   that endpoint at or before that block's time is gone too: it is forgotten at once. The
   index's capacity for the endpoint shrinks to what remains (it held more than the engine
   could keep: engines also spend KV on decoding sequences and on output tokens).
-  Unless the block may still have been in prefill: an engine caches a block only once it has
-  computed it, so a block that an earlier request was routed with less than one prefill before
-  this one (this request's own time from being sent to its first token, or to its answer when
-  not streamed, on the same engine at nearly the same moment) may simply not have existed yet.
+  Unless the block may not have been cached yet: SGLang caches a prefill once it has computed
+  it, and vLLM when it schedules it, which a request sent just before may not have reached (a
+  longer prompt spends longer in tokenization); so a block that an earlier request was routed
+  with less than one prefill before this one (this request's own time from being sent to its
+  first token, or to its answer when not streamed, on the same engine at nearly the same
+  moment) may simply not have existed yet.
   Such a shortfall is counted (`in_flight`) and forgets nothing: taken as an eviction it would
   forget every entry the endpoint touched before a moment ago, and a burst of one prefix would
   empty the endpoint's index.

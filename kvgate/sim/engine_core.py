@@ -2,9 +2,14 @@
 
 Each step takes the running requests (decodes and unfinished chunked prefills) first, then
 admits waiting requests while the token budget, `max_num_seqs` and free KV blocks allow,
-like vLLM's scheduler. When a running request needs a block and none is free, the
-lowest-priority (for FCFS: newest) running request is preempted: its blocks are freed and
-it goes back to the waiting queue to be recomputed. A step then "runs" for
+like vLLM's scheduler. The vLLM flavour caches a request's full blocks when it is scheduled,
+as vLLM V1 does (`allocate_slots` caches the blocks of the tokens the step will compute), so
+a request scheduled after another with the same prefix hits it even while that prefix is
+still being prefilled, in the same step or a later one; the SGLang flavour caches them when
+the step that computed them ends, as SGLang inserts into its radix tree after a prefill.
+When a running request needs a block and none is free, the lowest-priority (for FCFS:
+newest) running request is preempted: its blocks are freed and it goes back to the waiting
+queue to be recomputed. A step then "runs" for
     (step_seconds + prefill tokens x prefill_token_seconds + decodes x decode_seq_seconds)
     / speed
 and every request whose computed tokens caught up samples its next token. With a KV-event
@@ -43,6 +48,7 @@ class EngineCore:
         self._generator = TextGenerator(options.seed)
         self._block_size = options.block_size
         self._kv_events = kv_events
+        self._cache_when_scheduled = options.flavor == "vllm"
         self.pool = BlockPool(options.kv_blocks, options.block_size, kv_events)
         self.waiting: list[GenerationRequest] = []
         self.running: list[GenerationRequest] = []
@@ -175,6 +181,7 @@ class EngineCore:
             else:
                 batch[request] = count
                 budget -= count
+                self._scheduled(request, count)
         if not preempted:
             budget = self._admit_waiting(batch, budget)
         return list(batch.items())
@@ -206,7 +213,14 @@ class EngineCore:
             self.running.append(request)
             batch[request] = count
             budget -= count
+            self._scheduled(request, count)
         return budget
+
+    def _scheduled(self, request: GenerationRequest, count: int) -> None:
+        """`count` more tokens of `request` run in this step: with vLLM's caching, its full
+        blocks up to them are cached now."""
+        if self._cache_when_scheduled:
+            self._register_full_blocks(request, request.num_computed + count)
 
     def _grow(self, request: GenerationRequest, num_tokens: int) -> bool:
         needed = -(-num_tokens // self._block_size) - len(request.blocks)
@@ -229,7 +243,7 @@ class EngineCore:
             if request.finished:  # aborted while the step ran
                 continue
             request.num_computed += count
-            self._register_full_blocks(request)
+            self._register_full_blocks(request, request.num_computed)
             if request.num_computed == len(request.all_tokens):
                 self._sample(request, now)
                 if request.finished:
@@ -255,7 +269,7 @@ class EngineCore:
         request.blocks = hit + (self.pool.allocate(needed) or [])
         request.num_registered_blocks = len(hit)
         request.num_computed = min(len(request.all_tokens), len(request.blocks) * size)
-        self._register_full_blocks(request)
+        self._register_full_blocks(request, request.num_computed)
         self._free_blocks(request)
 
     # --- shared bookkeeping ----------------------------------------------------------
@@ -266,14 +280,15 @@ class EngineCore:
         if request.cached_tokens is None:
             request.cached_tokens = hit_tokens
 
-    def _register_full_blocks(self, request: GenerationRequest) -> None:
-        full = request.num_computed // self._block_size
+    def _register_full_blocks(self, request: GenerationRequest, tokens: int) -> None:
+        """Cache the full blocks of `request`'s first `tokens` tokens not cached yet."""
+        full = tokens // self._block_size
         if full <= request.num_registered_blocks:
             return
         extend_block_hashes(
             request.block_hashes,
             request.all_tokens,
-            request.num_computed,
+            tokens,
             self._block_size,
             request.params.cache_salt,
         )

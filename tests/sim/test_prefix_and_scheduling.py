@@ -4,6 +4,7 @@ import asyncio
 import contextlib
 
 import httpx
+import pytest
 
 from kvgate.sim import EngineOptions, SimFleet
 
@@ -120,3 +121,28 @@ async def test_non_streaming_disconnect_aborts_too():
             await asyncio.sleep(0.01)
         assert engine.stats()["requests_aborted"] == 1
         assert engine.stats()["kv_cache_usage"] == 0.0
+
+
+@pytest.mark.parametrize(("flavor", "shared"), [("vllm", True), ("sglang", False)])
+async def test_a_prefix_scheduled_in_the_same_step_is_shared_as_vllm_shares_it(flavor, shared):
+    """vLLM V1 caches a request's blocks when it schedules them, so a second request with the
+    same prompt admitted in the same step reuses them; SGLang caches a prefill once it is
+    computed, so the second computes it too."""
+    options = EngineOptions(flavor=flavor, speed=4, kv_blocks=4000)
+    prompt = "A question of its own. " + LONG_TEXT * 30  # shares no block with the blocker
+    async with SimFleet(1, options=options) as fleet, httpx.AsyncClient(timeout=30) as client:
+        url = fleet.urls[0]
+        # A long prefill holds the engine for a step while both copies of the prompt queue.
+        blocker = asyncio.create_task(
+            _stream_chat(client, url, chat_body(LONG_TEXT * 240, max_tokens=2))
+        )
+        await asyncio.sleep(0.05)
+        (first, _), (second, _) = await asyncio.gather(
+            _stream_chat(client, url, chat_body(prompt, max_tokens=2)),
+            _stream_chat(client, url, chat_body(prompt, max_tokens=2)),
+        )
+        await blocker
+    usages = [events[-2]["usage"] for events in (first, second)]
+    cached = sorted(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    expected = (usages[0]["prompt_tokens"] - 1) // 16 * 16 if shared else 0
+    assert cached == [0, expected]
