@@ -123,9 +123,6 @@ class RequestContext:
 class TraceSpan(Protocol):
     """One timed step of a traced request."""
 
-    def set(self, key: str, value: str | int | float | bool) -> None:
-        """Record an attribute of the step."""
-
     def headers(self) -> Headers:
         """The W3C trace-context headers (`traceparent`, `tracestate`) naming this span as
         the parent, for a request this step sends."""
@@ -143,8 +140,17 @@ class RequestTrace(Protocol):
     A new span's parent is the innermost span of the request still open (a request's steps
     run one after the other)."""
 
-    def span(self, name: str) -> TraceSpan:
-        """A new step of the request."""
+    def stage_started(self, name: str) -> Any:
+        """Open the span of the chain's stage `name` (`kvgate.auth`, ...); what it returns
+        goes to `stage_ended`. A stage the tracing folds into the request's span gets none."""
+
+    def stage_ended(self, name: str, opened: Any, error: str | None) -> None:
+        """End the stage span `stage_started` opened; `error`: the code that failed it."""
+
+    def span(
+        self, name: str, attributes: dict[str, str | int | float | bool] | None = None
+    ) -> TraceSpan:
+        """A new step of the request, with the attributes it reports."""
         ...
 
     def attempt(self, endpoint: Endpoint) -> TraceSpan:

@@ -61,19 +61,20 @@ class RequestChain:
     async def _traced_stages(self, ctx: RequestContext, trace: RequestTrace) -> None:
         """The stages, each in a step of `trace` that ends with the stage's outcome."""
         for stage, name in zip(self.stages, self._span_names, strict=True):
-            span = trace.span(name)
+            opened = trace.stage_started(name)
             try:
                 await stage(ctx)
             except KvgateError as error:
-                span.end(str(error.code))
+                trace.stage_ended(name, opened, str(error.code))
                 raise
             except asyncio.CancelledError:
-                span.end("interrupted")  # the client left, or a drain ended the request
+                # The client left, or a drain ended the request.
+                trace.stage_ended(name, opened, "interrupted")
                 raise
             except Exception:
-                span.end("internal_error")
+                trace.stage_ended(name, opened, "internal_error")
                 raise
-            span.end()
+            trace.stage_ended(name, opened, None)
 
     def end_requests(self, error: KvgateError) -> int:
         """End every request in the chain now with `error` (as the last event of a stream

@@ -207,7 +207,7 @@ class ExporterProcess:
         return time.monotonic() - self._started_at, code, lost
 
     def send(self, record: TraceRecord) -> None:
-        spans = len(record[3])
+        spans = len(record[-1]) + 1  # the steps, and the request's own span
         if self._stop_requested.is_set():
             self._drop(spans)
             return

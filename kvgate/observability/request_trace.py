@@ -1,50 +1,44 @@
 """The spans of one request: the request's (server kind), a child per stage that does work, per
-upstream attempt (client kind) and per resume, with GenAI semantic-convention and kvgate
-attributes (docs/observability.md). The client's W3C `traceparent` is continued; each attempt
-sends its own span's context to the engine. Built by kvgate/observability/tracing.py.
+upstream attempt (client kind) and per resume (docs/observability.md). The client's W3C
+`traceparent` is continued; each attempt sends its own span's context to the engine. Built by
+kvgate/observability/tracing.py.
 
-Nothing here calls OpenTelemetry per span: ids are drawn with `random.getrandbits` (as the SDK's
-own id generator does), times are `time.time_ns()`, attributes go into plain dicts, and when
-the request is over its whole trace is handed to the sink as one `TraceRecord`
-(kvgate/observability/span_records.py), from which SDK spans are built off the request path.
+Nothing here calls OpenTelemetry or builds an attribute: ids are drawn with
+`random.getrandbits` (as the SDK's own id generator does), times are `time.time_ns()`, and a
+span keeps only the facts its attributes will say, in a tuple. When the request is over its
+whole trace is handed to the sink as one `TraceRecord` (kvgate/observability/span_records.py),
+from which the attributes and the SDK spans are made off the request path.
 """
 
 from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from typing import Any
 from urllib.parse import urlsplit
 
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.trace import SpanKind, StatusCode, get_current_span
+from opentelemetry.trace import SpanKind, get_current_span
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from kvgate.observability.span_records import (
+    CLIENT,
     NEW_TRACE_FLAGS,
     SAMPLED,
-    Attribute,
+    Attributes,
     ClientParent,
+    PickFacts,
     SpanRecord,
+    StepFacts,
     TraceExport,
+    UsageCounts,
 )
 from kvgate.routing.endpoints import Endpoint
 from kvgate.types import Headers, RequestContext
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 _TRACE_HEADERS = {b"traceparent": "traceparent", b"tracestate": "tracestate"}
-# gen_ai.operation.name by route (the Responses API is OpenAI's newer chat interface).
-_OPERATIONS = {
-    "chat": "chat",
-    "completions": "text_completion",
-    "embeddings": "embeddings",
-    "responses": "chat",
-}
-_SERVER = SpanKind.SERVER.value
-_CLIENT = SpanKind.CLIENT.value
 _INTERNAL = SpanKind.INTERNAL.value
-_ERROR = StatusCode.ERROR.value
-Attributes = dict[str, Attribute]
 # The client's trace: its trace id, trace flags, and the request span's parent as recorded.
 _ClientContext = tuple[int, int, ClientParent]
 
@@ -93,85 +87,68 @@ class GatewayTracing:
 
 
 class _Step:
-    """An open span of a request; `end` records it once."""
+    """An open span of a request other than a stage's (a wait, a resume); `end` records it
+    once. `facts`: its attributes (span_records.SpanRecord)."""
 
-    __slots__ = (
-        "_done",
-        "_on_end",
-        "_trace",
-        "attributes",
-        "kind",
-        "name",
-        "parent",
-        "span_id",
-        "start",
-    )
+    __slots__ = ("_done", "_trace", "facts", "kind", "name", "parent", "span_id", "start")
 
-    def __init__(
-        self,
-        trace: _RequestTrace,
-        name: str,
-        kind: int,
-        attributes: Attributes,
-        on_end: Callable[[Attributes, RequestContext], None] | None,
-    ) -> None:
+    def __init__(self, trace: _RequestTrace, name: str, kind: int, facts: StepFacts) -> None:
         self._trace = trace
         self.name = name
         self.kind = kind
-        self.attributes = attributes
-        self._on_end = on_end
+        self.facts = facts
         self._done = False
         self.span_id = _span_id()
         self.parent = trace.innermost()
         self.start = time.time_ns()
 
-    def set(self, key: str, value: Attribute) -> None:
-        self.attributes[key] = value
-
     def headers(self) -> Headers:
         return self._trace.context_headers(self.span_id)
 
     def end(self, error: str | None = None) -> None:
-        if self._done:
-            return
-        self._done = True
-        if self._on_end is not None:
-            self._on_end(self.attributes, self._trace.ctx)
-        self._trace.closed(self, error)
+        if not self._done:
+            self._done = True
+            self._trace.closed(self, error)
 
 
-class _Folded:
-    """A stage without a span of its own (see `_FOLDED`)."""
+# An attempt's facts known when it starts (span_records.AttemptFacts without the usage and
+# the response model).
+_AttemptStart = tuple[str, str, str, str, int, int, int | None]
 
-    __slots__ = ()
 
-    def set(self, key: str, value: Attribute) -> None:
-        pass
+class _Attempt(_Step):
+    """An upstream attempt's span: its facts are completed with the usage when it ends."""
 
-    def headers(self) -> Headers:
-        return []
+    __slots__ = ("_at_start",)
+
+    def __init__(self, trace: _RequestTrace, model: str, at_start: _AttemptStart) -> None:
+        super().__init__(trace, model, CLIENT, None)
+        self._at_start = at_start
 
     def end(self, error: str | None = None) -> None:
-        pass
+        if not self._done:
+            ctx = self._trace.ctx
+            self.facts = (*self._at_start, _usage(ctx.usage), ctx.response_model)
+            super().end(error)
 
 
 # Stages that only read the config and the fleet's state (no I/O, no waiting), whose outcome
 # the request span records (a fallback model: `kvgate.model`; the responses gate's 404: the
 # request's status): a span each would cost as much as a real stage's and show nothing.
 _FOLDED = frozenset({"kvgate.responses", "kvgate.model_fallback"})
-_FOLDED_STEP = _Folded()
+# What `stage_started` gives `stage_ended`: the stage span's id, its parent's, and its start.
+_OpenStage = tuple[int, int, int]
 
 
 class _RequestTrace:
-    """A request's span (SERVER kind), its open steps and the spans already ended; see
-    `RequestTrace` in types.py."""
+    """A request's span (SERVER kind), the ids of its open steps and the spans already ended;
+    see `RequestTrace` in types.py."""
 
     __slots__ = (
         "_client",
         "_ended",
         "_flags",
         "_open",
-        "_operation",
         "_requested",
         "_root",
         "_started",
@@ -187,9 +164,8 @@ class _RequestTrace:
     ) -> None:
         self._tracing = tracing
         self.ctx = ctx
-        self._open: list[_Step] = []
+        self._open: list[int] = []
         self._ended: list[SpanRecord] = []
-        self._operation = _OPERATIONS.get(ctx.route, ctx.route)
         self._requested = ctx.model
         if client is None:
             self.trace_id = _trace_id()
@@ -207,7 +183,7 @@ class _RequestTrace:
 
     def innermost(self) -> int:
         """The span id a new span's parent is: the innermost open step, else the request."""
-        return self._open[-1].span_id if self._open else self._root
+        return self._open[-1] if self._open else self._root
 
     def context_headers(self, span_id: int) -> Headers:
         headers = [(b"traceparent", f"{self._trace_hex}{span_id:016x}-{self._flags:02x}".encode())]
@@ -215,42 +191,40 @@ class _RequestTrace:
             headers.append((b"tracestate", self._tracestate.encode("latin-1")))
         return headers
 
-    def span(self, name: str) -> _Step | _Folded:
+    def stage_started(self, name: str) -> _OpenStage | None:
         if name in _FOLDED:
-            return _FOLDED_STEP
-        step = _Step(self, name, _INTERNAL, {}, _STEP_ATTRIBUTES.get(name))
-        self._open.append(step)
+            return None
+        span_id = _span_id()
+        opened = (span_id, self.innermost(), time.time_ns())
+        self._open.append(span_id)
+        return opened
+
+    def stage_ended(self, name: str, opened: _OpenStage | None, error: str | None) -> None:
+        if opened is None:
+            return
+        span_id, parent, start = opened
+        self._open.remove(span_id)
+        facts = _picked(self.ctx) if name == "kvgate.pick" else None
+        self._ended.append((name, _INTERNAL, span_id, parent, start, time.time_ns(), error, facts))
+
+    def span(self, name: str, attributes: Attributes | None = None) -> _Step:
+        step = _Step(self, name, _INTERNAL, attributes)
+        self._open.append(step.span_id)
         return step
 
-    def attempt(self, endpoint: Endpoint) -> _Step:
+    def attempt(self, endpoint: Endpoint) -> _Attempt:
         ctx = self.ctx
-        operation = self._operation
         host, port = self._tracing.server(endpoint)
-        attributes: Attributes = {
-            "gen_ai.operation.name": operation,
-            "gen_ai.provider.name": endpoint.engine,
-            "gen_ai.request.model": ctx.model,
-            "server.address": host,
-            "server.port": port,
-            "kvgate.endpoint": endpoint.name,
-            "kvgate.pool": endpoint.pool,
-            "kvgate.attempt": ctx.attempts,
-        }
-        if ctx.prefix is not None:
-            attributes["kvgate.prefix.predicted_tokens"] = _predicted(ctx, endpoint.name)
-        step = _Step(self, f"{operation} {ctx.model}", _CLIENT, attributes, _usage)
-        self._open.append(step)
+        predicted = None if ctx.prefix is None else _predicted(ctx, endpoint.name)
+        facts = (endpoint.name, endpoint.pool, endpoint.engine, host, port, ctx.attempts, predicted)
+        step = _Attempt(self, ctx.model, facts)
+        self._open.append(step.span_id)
         return step
 
     def closed(self, step: _Step, error: str | None) -> None:
         """Record an ended step (`error`: the code that failed it)."""
-        if step in self._open:
-            self._open.remove(step)
-        attributes = step.attributes
-        code, description = 0, None
-        if error is not None:
-            attributes["error.type"] = error
-            code, description = _ERROR, error
+        if step.span_id in self._open:
+            self._open.remove(step.span_id)
         self._ended.append(
             (
                 step.name,
@@ -259,31 +233,53 @@ class _RequestTrace:
                 step.parent,
                 step.start,
                 time.time_ns(),
-                attributes,
-                code,
-                description,
+                error,
+                step.facts,
             )
         )
 
     def finish(self) -> None:
-        for step in reversed(self._open):  # a step left open by a bug must not leak
-            step.end("interrupted")
         ctx = self.ctx
-        attributes: Attributes = {
-            "http.request.method": "POST",
-            "http.route": ctx.upstream_path,
-            "gen_ai.operation.name": self._operation,
-            "gen_ai.request.model": self._requested,
-            "gen_ai.request.stream": ctx.stream,
-            "kvgate.request_id": ctx.request_id,
-        }
-        code, description = _request_ended(attributes, ctx, self._requested)
-        name = f"POST {ctx.upstream_path}"
         end = time.time_ns()
-        self._ended.append(
-            (name, _SERVER, self._root, 0, self._started, end, attributes, code, description)
+        tenant = ctx.tenant
+        intent = ctx.intent
+        endpoint = ctx.endpoint
+        first_token = ctx.first_token_at
+        facts = (  # a span_records.RequestFacts, field by field
+            ctx.route,
+            ctx.upstream_path,
+            ctx.request_id,
+            self._requested,
+            ctx.model,
+            ctx.stream,
+            ctx.status,
+            ctx.outcome,
+            ctx.committed,
+            ctx.attempts,
+            ctx.resumes,
+            None if tenant is None else (tenant.name, tenant.tier),
+            ctx.key_id,
+            None
+            if intent is None
+            else (intent.latency_class, intent.rule, intent.prompt_tokens, intent.max_tokens),
+            ctx.priority,
+            None if endpoint is None else _endpoint(ctx, endpoint),
+            None if endpoint is None else endpoint.engine,
+            None if first_token is None else first_token - ctx.started,
+            _usage(ctx.usage),
+            ctx.response_model,
         )
-        self._tracing.export.send((self.trace_id, self._flags, self._client, self._ended))
+        record = (
+            self.trace_id,
+            self._flags,
+            self._client,
+            self._root,
+            self._started,
+            end,
+            facts,
+            self._ended,
+        )
+        self._tracing.export.send(record)
 
 
 def _client_parent(headers: Headers) -> _ClientContext | None:
@@ -322,92 +318,27 @@ def _predicted(ctx: RequestContext, endpoint: str) -> int:
     return ctx.prefix.prompt_tokens - ctx.prefix.uncached_tokens(endpoint)
 
 
-def _usage(attributes: Attributes, ctx: RequestContext) -> None:
-    usage = ctx.usage
+def _endpoint(ctx: RequestContext, endpoint: Endpoint) -> PickFacts:
+    prefix = ctx.prefix
+    if prefix is None:
+        return (endpoint.name, endpoint.pool, None, None)
+    return (endpoint.name, endpoint.pool, _predicted(ctx, endpoint.name), prefix.prompt_tokens)
+
+
+def _picked(ctx: RequestContext) -> PickFacts | None:
+    return None if ctx.endpoint is None else _endpoint(ctx, ctx.endpoint)
+
+
+def _usage(usage: dict[str, Any] | None) -> UsageCounts | None:
+    """The engine's prompt, completion and cached prompt tokens (each None when absent)."""
     if usage is None:
-        return
-    for key, attribute in (
-        ("prompt_tokens", "gen_ai.usage.input_tokens"),
-        ("completion_tokens", "gen_ai.usage.output_tokens"),
-    ):
-        value = usage.get(key)
-        if isinstance(value, int):
-            attributes[attribute] = value
+        return None
+    prompt = usage.get("prompt_tokens")
+    completion = usage.get("completion_tokens")
     details = usage.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    if isinstance(cached, int):
-        attributes["gen_ai.usage.cache_read.input_tokens"] = cached
-    if ctx.response_model is not None:
-        attributes["gen_ai.response.model"] = ctx.response_model
-
-
-def _request_ended(
-    attributes: Attributes, ctx: RequestContext, requested_model: str
-) -> tuple[int, str | None]:
-    """Fill the request span's closing attributes; its status code and description."""
-    attributes["http.response.status_code"] = ctx.status
-    attributes["kvgate.outcome"] = ctx.outcome
-    attributes["kvgate.attempts"] = ctx.attempts
-    attributes["kvgate.resumes"] = ctx.resumes
-    _tenant(attributes, ctx)
-    _intent(attributes, ctx)
-    if ctx.endpoint is not None:
-        _endpoint(attributes, ctx)
-        attributes["gen_ai.provider.name"] = ctx.endpoint.engine
-    if ctx.model != requested_model:  # a routing fallback chose another model
-        attributes["kvgate.model"] = ctx.model
-    if ctx.first_token_at is not None:
-        attributes["gen_ai.response.time_to_first_chunk"] = ctx.first_token_at - ctx.started
-    _usage(attributes, ctx)
-    if ctx.outcome != "ok":
-        attributes["error.type"] = ctx.outcome
-        # Server spans: a 4xx is the client's error, not the gateway's; a broken stream is.
-        if ctx.status >= 500 or ctx.committed:
-            return _ERROR, ctx.outcome
-    return 0, None
-
-
-def _tenant(attributes: Attributes, ctx: RequestContext) -> None:
-    if ctx.tenant is not None:
-        attributes["kvgate.tenant"] = ctx.tenant.name
-        attributes["kvgate.tier"] = ctx.tenant.tier
-    if ctx.key_id is not None:
-        attributes["kvgate.key_id"] = ctx.key_id
-
-
-def _intent(attributes: Attributes, ctx: RequestContext) -> None:
-    intent = ctx.intent
-    if intent is None:
-        return
-    attributes["kvgate.class"] = intent.latency_class
-    attributes["kvgate.prompt_tokens.estimated"] = intent.prompt_tokens
-    attributes["gen_ai.request.max_tokens"] = intent.max_tokens
-    if intent.rule is not None:
-        attributes["kvgate.class.rule"] = intent.rule
-
-
-def _endpoint(attributes: Attributes, ctx: RequestContext) -> None:
-    assert ctx.endpoint is not None
-    attributes["kvgate.endpoint"] = ctx.endpoint.name
-    attributes["kvgate.pool"] = ctx.endpoint.pool
-    if ctx.prefix is not None:
-        attributes["kvgate.prefix.predicted_tokens"] = _predicted(ctx, ctx.endpoint.name)
-        attributes["kvgate.prefix.prompt_tokens"] = ctx.prefix.prompt_tokens
-
-
-def _priority(attributes: Attributes, ctx: RequestContext) -> None:
-    attributes["kvgate.priority"] = ctx.priority
-
-
-def _picked(attributes: Attributes, ctx: RequestContext) -> None:
-    if ctx.endpoint is not None:
-        _endpoint(attributes, ctx)
-
-
-# What each stage span records when it ends (what that stage decided).
-_STEP_ATTRIBUTES: dict[str, Callable[[Attributes, RequestContext], None]] = {
-    "kvgate.auth": _tenant,
-    "kvgate.classify": _intent,
-    "kvgate.admission": _priority,
-    "kvgate.pick": _picked,
-}
+    return (
+        prompt if isinstance(prompt, int) else None,
+        completion if isinstance(completion, int) else None,
+        cached if isinstance(cached, int) else None,
+    )

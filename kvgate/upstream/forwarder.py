@@ -242,12 +242,16 @@ class Forwarder:
     ) -> None:
         """One continuation of a broken stream on `endpoint`; traced as a resume span (whose
         child is the attempt) when tracing is on."""
-        span = None if ctx.trace is None else ctx.trace.span("kvgate.resume")
-        if span is None:
+        if ctx.trace is None:
             await self.relay.run(ctx, endpoint, send, limits, transcript, body)
             return
-        span.set("kvgate.resume", ctx.resumes)
-        span.set("kvgate.resume.relayed_tokens", transcript.content_events)
+        span = ctx.trace.span(
+            "kvgate.resume",
+            {
+                "kvgate.resume": ctx.resumes,
+                "kvgate.resume.relayed_tokens": transcript.content_events,
+            },
+        )
         try:
             await self.relay.run(ctx, endpoint, send, limits, transcript, body)
         except StreamBroken as broken:

@@ -16,6 +16,7 @@ import httpx
 import pytest
 import uvloop
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from opentelemetry.sdk import resources
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -35,6 +36,8 @@ from kvgate.observability.span_records import (
     NEW_TRACE_FLAGS,
     SAMPLED,
     ClientParent,
+    RequestFacts,
+    SpanRecord,
     TraceRecord,
     readable_spans,
     scope,
@@ -68,6 +71,79 @@ class _FixedIds(IdGenerator):
         return True
 
 
+# One streamed request as kvgate records it (span_records.RequestFacts), and the attributes
+# its spans say.
+FACTS = RequestFacts(
+    route="chat",
+    path="/v1/chat/completions",
+    request_id="req-1",
+    requested_model="sim-model",
+    model="sim-model",
+    stream=True,
+    status=200,
+    outcome="ok",
+    committed=True,
+    attempts=1,
+    resumes=0,
+    tenant=("acme", "gold"),
+    key_id="k-1",
+    intent=("interactive", None, 12, 64),
+    priority=100,
+    endpoint=("e1", "main", 8, 12),
+    engine="vllm",
+    first_token=0.25,
+    usage=(12, 7, None),
+    response_model="sim-model",
+)
+REQUEST_ATTRIBUTES = {
+    "http.request.method": "POST",
+    "http.route": "/v1/chat/completions",
+    "gen_ai.operation.name": "chat",
+    "gen_ai.request.model": "sim-model",
+    "gen_ai.request.stream": True,
+    "kvgate.request_id": "req-1",
+    "http.response.status_code": 200,
+    "kvgate.outcome": "ok",
+    "kvgate.attempts": 1,
+    "kvgate.resumes": 0,
+    "kvgate.tenant": "acme",
+    "kvgate.tier": "gold",
+    "kvgate.key_id": "k-1",
+    "kvgate.class": "interactive",
+    "kvgate.prompt_tokens.estimated": 12,
+    "gen_ai.request.max_tokens": 64,
+    "kvgate.endpoint": "e1",
+    "kvgate.pool": "main",
+    "kvgate.prefix.predicted_tokens": 8,
+    "kvgate.prefix.prompt_tokens": 12,
+    "gen_ai.provider.name": "vllm",
+    "gen_ai.response.time_to_first_chunk": 0.25,
+    "gen_ai.usage.input_tokens": 12,
+    "gen_ai.usage.output_tokens": 7,
+    "gen_ai.response.model": "sim-model",
+}
+AUTH_ATTRIBUTES = {
+    "kvgate.tenant": "acme",
+    "kvgate.tier": "gold",
+    "kvgate.key_id": "k-1",
+    "error.type": "invalid_api_key",
+}
+ATTEMPT_ATTRIBUTES = {
+    "gen_ai.operation.name": "chat",
+    "gen_ai.provider.name": "vllm",
+    "gen_ai.request.model": "sim-model",
+    "server.address": "127.0.0.1",
+    "server.port": 9000,
+    "kvgate.endpoint": "e1",
+    "kvgate.pool": "main",
+    "kvgate.attempt": 1,
+    "kvgate.prefix.predicted_tokens": 8,
+    "gen_ai.usage.input_tokens": 12,
+    "gen_ai.usage.output_tokens": 7,
+    "gen_ai.response.model": "sim-model",
+}
+
+
 def _made_by_the_sdk(client: ClientParent | None) -> list[ReadableSpan]:
     """A request's spans made the SDK's way (the way kvgate made them before records)."""
     exporter = InMemorySpanExporter()
@@ -85,28 +161,18 @@ def _made_by_the_sdk(client: ClientParent | None) -> list[ReadableSpan]:
         carrier["tracestate"] = client[2]
         parent = TraceContextTextMapPropagator().extract(carrier)
     root = tracer.start_span(
-        "POST /v1/chat/completions",
-        context=parent,
-        kind=SpanKind.SERVER,
-        start_time=1_000,
-        attributes={"http.route": "/v1/chat/completions", "gen_ai.request.stream": True},
+        "POST /v1/chat/completions", context=parent, kind=SpanKind.SERVER, start_time=1_000
     )
     auth = tracer.start_span("kvgate.auth", context=set_span_in_context(root), start_time=1_100)
-    auth.set_attribute("kvgate.tenant", "acme")
-    auth.set_attribute("error.type", "invalid_api_key")
+    auth.set_attributes(AUTH_ATTRIBUTES)
     auth.set_status(Status(StatusCode.ERROR, "invalid_api_key"))
     auth.end(1_200)
     attempt = tracer.start_span(
-        "chat sim-model",
-        context=set_span_in_context(root),
-        kind=SpanKind.CLIENT,
-        start_time=1_300,
-        attributes={"server.port": 9000, "kvgate.attempt": 1},
+        "chat sim-model", context=set_span_in_context(root), kind=SpanKind.CLIENT, start_time=1_300
     )
-    attempt.set_attribute("gen_ai.usage.output_tokens", 7)
+    attempt.set_attributes(ATTEMPT_ATTRIBUTES)
     attempt.end(1_400)
-    root.set_attribute("http.response.status_code", 200)
-    root.set_attribute("gen_ai.response.time_to_first_chunk", 0.25)
+    root.set_attributes(REQUEST_ATTRIBUTES)
     root.end(1_500)
     provider.shutdown()
     return list(exporter.get_finished_spans())
@@ -115,22 +181,17 @@ def _made_by_the_sdk(client: ClientParent | None) -> list[ReadableSpan]:
 def _recorded(client: ClientParent | None) -> TraceRecord:
     """The same request as kvgate records it."""
     flags = NEW_TRACE_FLAGS if client is None else SAMPLED
-    auth = {"kvgate.tenant": "acme", "error.type": "invalid_api_key"}
-    attempt = {"server.port": 9000, "kvgate.attempt": 1, "gen_ai.usage.output_tokens": 7}
-    root = {"http.route": "/v1/chat/completions", "gen_ai.request.stream": True}
-    root |= {"http.response.status_code": 200, "gen_ai.response.time_to_first_chunk": 0.25}
-    error, internal, client_kind = StatusCode.ERROR.value, SpanKind.INTERNAL.value, 2
-    spans = [
-        ("kvgate.auth", internal, AUTH, ROOT, 1_100, 1_200, auth, error, "invalid_api_key"),
-        ("chat sim-model", client_kind, ATTEMPT, ROOT, 1_300, 1_400, attempt, 0, None),
-        ("POST /v1/chat/completions", SpanKind.SERVER.value, ROOT, 0, 1_000, 1_500, root, 0, None),
+    attempt = ("e1", "main", "vllm", "127.0.0.1", 9000, 1, 8, (12, 7, None), "sim-model")
+    internal, client_kind = SpanKind.INTERNAL.value, SpanKind.CLIENT.value
+    steps: list[SpanRecord] = [
+        ("kvgate.auth", internal, AUTH, ROOT, 1_100, 1_200, "invalid_api_key", None),
+        ("sim-model", client_kind, ATTEMPT, ROOT, 1_300, 1_400, None, attempt),
     ]
-    return (TRACE, flags, client, spans)
+    return (TRACE, flags, client, ROOT, 1_000, 1_500, tuple(FACTS), steps)
 
 
 @pytest.mark.parametrize("client", [None, (CLIENT_SPAN, 1, "vendor=abc,other=1")])
 def test_a_record_becomes_the_spans_the_sdk_would_have_made(client):
-    assert SpanKind.CLIENT.value == 2
     expected = encode_spans(_made_by_the_sdk(client)).SerializeToString()
     built = readable_spans(_recorded(client), RESOURCE, scope(__version__))
     assert encode_spans(built).SerializeToString() == expected
@@ -147,11 +208,25 @@ def _settings(endpoint: str) -> dict[str, object]:
 
 
 def _trace(number: int) -> TraceRecord:
-    spans = [
-        ("kvgate.auth", 1, 2 * number + 2, 2 * number + 1, 10, 20, {"n": number}, 0, None),
-        ("POST /v1/chat/completions", 2, 2 * number + 1, 0, 0, 30, {"n": number}, 0, None),
-    ]
-    return (number + 1, NEW_TRACE_FLAGS, None, spans)
+    """Trace `number`: a step and the request's span, each saying `number` (`_number`)."""
+    root = 2 * number + 1
+    steps: list[SpanRecord] = [("kvgate.step", 1, root + 1, root, 10, 20, None, {"n": number})]
+    return (
+        number + 1,
+        NEW_TRACE_FLAGS,
+        None,
+        root,
+        0,
+        30,
+        tuple(FACTS._replace(attempts=number)),
+        steps,
+    )
+
+
+def _number(span: Span) -> int:
+    """The number of the `_trace` a received span is part of."""
+    said = {a.key: a.value.int_value for a in span.attributes}
+    return said["n"] if "n" in said else said["kvgate.attempts"]
 
 
 def test_a_stalled_exporter_process_drops_and_counts_what_does_not_fit_then_delivers_the_rest():
@@ -181,7 +256,7 @@ def test_a_stalled_exporter_process_drops_and_counts_what_does_not_fit_then_deli
     assert sum(dropped) == counted > 0
     assert len(received) + counted == sent
     # What arrived is whole traces in the order sent, up to the first dropped one.
-    numbers = [s.attributes[0].value.int_value for s in received]
+    numbers = [_number(s) for s in received]
     assert numbers == sorted(numbers) and numbers[0] == 0
     assert len(set(numbers)) * 2 == len(received)
 
@@ -246,9 +321,7 @@ def test_a_killed_exporter_process_is_restarted_and_the_traces_sent_meanwhile_ar
         received = collector.spans
     assert second != first and restarts == 1 and restarted == [1]
     assert dropped == [10]  # the five traces the killed process held, two spans each
-    assert sorted(s.attributes[0].value.int_value for s in received) == [
-        n for n in range(5, 15) for _ in range(2)
-    ]
+    assert sorted(_number(s) for s in received) == [n for n in range(5, 15) for _ in range(2)]
     deaths = [r for r in caplog.records if "exited" in r.getMessage()]
     assert len(deaths) == 1 and deaths[0].levelname == "ERROR"
     assert deaths[0].getMessage() == (

@@ -142,7 +142,9 @@ def test_a_stream_is_one_trace_continuing_the_clients(fleet, traced):
     assert attempt.attributes["kvgate.attempt"] == 1
     assert attempt.attributes["gen_ai.usage.output_tokens"] == usage.completion_tokens
     assert dict(steps[0].attributes or {})["kvgate.tenant"] == "anonymous"
-    assert "kvgate.endpoint" in dict(steps[3].attributes or {})
+    assert dict(steps[1].attributes or {})["kvgate.class"] == attributes["kvgate.class"]
+    assert isinstance(dict(steps[2].attributes or {})["kvgate.priority"], int)
+    assert dict(steps[3].attributes or {})["kvgate.endpoint"] == attributes["kvgate.endpoint"]
 
     # The request's span lasts as long as the stream, pause included, and ends after it.
     assert root.end_time and root.start_time and attempt.end_time
