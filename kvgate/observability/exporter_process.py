@@ -1,5 +1,5 @@
-"""The gateway's side of the trace exporter process: finished request traces go, as `marshal`ed
-records, down a pipe to a child process that builds the SDK spans and runs the official
+"""The gateway's side of the trace exporter process: finished request traces go, `marshal`ed in
+batches, down a pipe to a child process that builds the SDK spans and runs the official
 exporters (kvgate/observability/span_export_child.py), so that neither span building nor
 protobuf encoding holds this process's GIL while it serves. A child that dies is started
 again, as service supervisors do, after a wait that grows while it keeps dying.
@@ -23,17 +23,21 @@ from kvgate.observability.span_records import TraceRecord
 
 log = logging.getLogger("kvgate.tracing")
 
-# Each record on the pipe: its length (4 bytes, little-endian), then the marshalled record.
+# Each batch on the pipe: its length (4 bytes, little-endian), then the marshalled list of
+# records.
 FRAME = Struct("<I")
 # What the exporter process writes back on its second pipe after each batch it handed to the
 # exporters: how many spans it has handled since it started (8 bytes, little-endian). Spans
 # sent to a process that dies and not acknowledged are the ones it took with it.
 ACK = Struct("<Q")
-# Records wait this long in the gateway to go down the pipe together (one write, one wake-up
-# of the exporter process, per batch rather than per request).
+# Records wait this long in the gateway to go down the pipe together: one `marshal` call, one
+# write and one wake-up of the exporter process per batch rather than per request, and none
+# of them on a request's path.
 FLUSH_SECONDS = 0.1
-# What may wait in the gateway, not yet taken by the pipe: about 6,000 requests of six spans
-# (≈ 1.3 KB each), besides what the pipe holds. Beyond it new traces are dropped and counted.
+# Traces that may wait in the gateway for the next batch, and bytes of batches that may wait
+# for the pipe (besides what the pipe holds: the exporter process falls behind, or is being
+# restarted). Beyond either, new traces are dropped and counted.
+MAX_PENDING_TRACES = 5_000
 MAX_BUFFERED_BYTES = 8 * 2**20
 # The pipe's own buffer (Linux allows up to 1 MiB unprivileged; its default is 64 KiB).
 PIPE_BYTES = 2**20
@@ -72,8 +76,9 @@ class ExporterProcess:
     """Sends each finished trace to an exporter child process and keeps one running; `send`
     never blocks. `settings` is the child's (see span_export_child.py).
 
-    Dropped, their spans counted through `on_dropped`: traces that find the buffer full
-    (`max_buffered_bytes`: the exporter falls behind, or is being restarted), and the spans a
+    Dropped, their spans counted through `on_dropped`: traces that find `max_pending_traces`
+    waiting for the next batch, or more than `max_buffered_bytes` of batches waiting for the
+    pipe (the exporter falls behind, or is being restarted), and the spans a
     child that died had been sent and had not acknowledged. A child that dies is started again
     after a wait of `backoff[0]` seconds, doubled with each death in a row up to `backoff[1]`
     (a child that lived at least `backoff[1]` counts as a first death); the traces that wait
@@ -86,12 +91,14 @@ class ExporterProcess:
         on_dropped: Callable[[int], None],
         on_restarted: Callable[[], None] = lambda: None,
         max_buffered_bytes: int = MAX_BUFFERED_BYTES,
+        max_pending_traces: int = MAX_PENDING_TRACES,
         backoff: tuple[float, float] = (RESTART_FIRST_SECONDS, RESTART_MAX_SECONDS),
     ) -> None:
         self.settings = settings
         self._on_dropped = on_dropped
         self._on_restarted = on_restarted
         self._max_buffered = max_buffered_bytes
+        self._max_pending = max_pending_traces
         self._backoff = backoff
         self._transport: asyncio.WriteTransport | None = None
         self._process: asyncio.subprocess.Process | None = None
@@ -100,8 +107,7 @@ class ExporterProcess:
         self._sent_spans = 0  # to the current child
         self._supervisor: asyncio.Task[None] | None = None
         self._stop_requested = asyncio.Event()
-        self._pending: list[bytes] = []
-        self._pending_bytes = 0
+        self._pending: list[TraceRecord] = []
         self._pending_spans = 0
         self._flush_at: asyncio.TimerHandle | None = None
         self.dropped = 0
@@ -208,18 +214,15 @@ class ExporterProcess:
 
     def send(self, record: TraceRecord) -> None:
         spans = len(record[-1]) + 1  # the steps, and the request's own span
-        if self._stop_requested.is_set():
-            self._drop(spans)
-            return
-        data = marshal.dumps(record)
-        size = FRAME.size + len(data)
         transport = self._transport
-        queued = 0 if transport is None else transport.get_write_buffer_size()
-        if self._pending_bytes + queued + size > self._max_buffered:
+        if (
+            self._stop_requested.is_set()
+            or len(self._pending) >= self._max_pending
+            or (transport is not None and transport.get_write_buffer_size() > self._max_buffered)
+        ):
             self._drop(spans)
             return
-        self._pending += (FRAME.pack(len(data)), data)
-        self._pending_bytes += size
+        self._pending.append(record)
         self._pending_spans += spans
         if self._flush_at is None:
             self._flush_at = asyncio.get_running_loop().call_later(FLUSH_SECONDS, self._flush)
@@ -237,9 +240,10 @@ class ExporterProcess:
         transport = self._transport
         if not self._pending or transport is None or transport.is_closing():
             return
-        transport.writelines(self._pending)
+        batch = marshal.dumps(self._pending)
+        transport.writelines((FRAME.pack(len(batch)), batch))
         self._sent_spans += self._pending_spans
-        self._pending, self._pending_bytes, self._pending_spans = [], 0, 0
+        self._pending, self._pending_spans = [], 0
 
     def _close_input(self) -> None:
         """Send what waits and close the pipe: the child exports it all and exits."""
@@ -265,4 +269,4 @@ class ExporterProcess:
             await supervisor
         if self._pending_spans:
             self._drop(self._pending_spans)
-            self._pending, self._pending_bytes, self._pending_spans = [], 0, 0
+            self._pending, self._pending_spans = [], 0

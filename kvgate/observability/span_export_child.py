@@ -76,8 +76,8 @@ def main(settings: dict[str, object], ack_fd: int) -> None:
             start = offset + FRAME.size
             if len(received) - start < size:
                 break
-            record = marshal.loads(received[start : start + size])
-            spans += readable_spans(record, resource, instrumentation)
+            for record in marshal.loads(received[start : start + size]):
+                spans += readable_spans(record, resource, instrumentation)
             offset = start + size
         del received[:offset]
         while len(spans) >= MAX_BATCH:
