@@ -244,13 +244,27 @@ def _openai_type(status: int) -> str:
     return "server_error" if status >= 500 else "invalid_request_error"
 
 
+# The request's field that holds the prompt, by route.
+PROMPT_PARAMS = {
+    "chat": "messages",
+    "completions": "prompt",
+    "embeddings": "input",
+    "responses": "input",
+}
+# A context-length error about the completion's limit (vLLM: "'max_tokens' or
+# 'max_completion_tokens' is too large: …"), not the prompt: the first field it names.
+_COMPLETION_LIMIT = re.compile(r"max_completion_tokens|max_tokens|max_output_tokens")
+
+
 def upstream_error_from_body(
-    status: int, body: bytes, retry_after: float | None = None
+    status: int, body: bytes, retry_after: float | None = None, prompt_param: str = "messages"
 ) -> UpstreamError:
     """Translate an engine's error body (vLLM nested, SGLang/old-vLLM flat) into OpenAI's
     shape and vocabulary: the type OpenAI uses for the status, `code` a string or null (the
-    HTTP status vLLM puts there is dropped), a too-long prompt `context_length_exceeded` with
-    `param: "messages"`, an unknown model `model_not_found`."""
+    HTTP status vLLM puts there is dropped), a request over the context length
+    `context_length_exceeded` (`param`: the engine's if it named one, else the completion
+    limit when the message names it, else `prompt_param`, the body's prompt field), an unknown
+    model `model_not_found`."""
     message = f"upstream returned HTTP {status}"
     error_type: str | None = None
     param: str | None = None
@@ -276,7 +290,10 @@ def upstream_error_from_body(
     elif body:
         message = f"upstream returned HTTP {status}: {body[:200].decode(errors='replace')}"
     if status == 400 and code is None and _CONTEXT_LENGTH.search(message):
-        code, param = "context_length_exceeded", "messages"
+        code = "context_length_exceeded"
+        if param is None:
+            limit = _COMPLETION_LIMIT.search(message)
+            param = limit.group(0) if limit else prompt_param
     elif status == 404 and code is None and "model" in message.lower():
         code = "model_not_found"
     return UpstreamError(

@@ -60,9 +60,6 @@ class FleetAdminRoutes:
         self.index = index
         self.chain_routes = chain_routes
         self.index_mode = index_mode
-        # Requests still running on an endpoint (by name) in apps a reload replaced: they
-        # count in its `in_flight` until they finish (`ReloadableGateway` sets this).
-        self.earlier_inflight: Callable[[str], int] = _none_earlier
 
     def authorize(self, headers: Headers) -> None:
         """Raises (401/403) unless the headers carry an admin key or auth is open."""
@@ -126,7 +123,7 @@ class FleetAdminRoutes:
             "state": _state(endpoint),
             "healthy": endpoint.healthy,
             "drained": endpoint.drained,
-            "in_flight": endpoint.inflight + self.earlier_inflight(endpoint.name),
+            "in_flight": endpoint.inflight + self.fleet.earlier_inflight(endpoint),
             "peer_in_flight": endpoint.peer_inflight,
             "telemetry": None
             if telemetry is None
@@ -158,10 +155,6 @@ class FleetAdminRoutes:
 def _only(method: str, allowed: str, path: str) -> None:
     if method != allowed:
         raise MethodNotAllowed(f"{method} is not allowed on {path}; use {allowed}")
-
-
-def _none_earlier(name: str) -> int:
-    return 0
 
 
 def _state(endpoint: Endpoint) -> str:

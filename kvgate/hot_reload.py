@@ -36,6 +36,7 @@ from kvgate.config import ConfigError, load_config
 from kvgate.errors import KvgateError, MethodNotAllowed
 from kvgate.http_server import use_header_timeout
 from kvgate.reload_carryover import carry_over
+from kvgate.routing.endpoints import Endpoint
 from kvgate.routing.policy_catalog import load_policies
 
 log = logging.getLogger("kvgate")
@@ -55,7 +56,7 @@ class ReloadableGateway:
         self.path = path
         self.supervised = supervised
         self.current = GatewayApp(load_config(path))
-        self.current.admin.earlier_inflight = self._earlier_inflight
+        self.current.fleet.earlier_inflight = self._earlier_inflight
         # Read at start, as the server's own grace is (docs/config.md).
         self.drain_seconds = self.current.config.server.drain_seconds
         self._drain_deadline: float | None = None
@@ -106,7 +107,7 @@ class ReloadableGateway:
                 await app.shutdown()
                 raise
             carry_over(self.current, app)
-            app.admin.earlier_inflight = self._earlier_inflight
+            app.fleet.earlier_inflight = self._earlier_inflight
             if self._drain_deadline is not None:
                 app.begin_drain(self._drain_deadline - asyncio.get_running_loop().time())
             old, self.current = self.current, app
@@ -117,14 +118,15 @@ class ReloadableGateway:
                 self._retired.add(old)
             return []
 
-    def _earlier_inflight(self, name: str) -> int:
-        """Requests still running on endpoint `name` in the apps a reload replaced."""
-        total = 0
-        for app in self._retired:
-            endpoint = app.fleet.endpoint(name)
-            if endpoint is not None:
-                total += endpoint.inflight
-        return total
+    def _earlier_inflight(self, endpoint: Endpoint) -> int:
+        """Requests still running on `endpoint` (its pool and URL: names are positions in a
+        config, and a reload may move them) in the apps a reload replaced."""
+        return sum(
+            earlier.inflight
+            for app in self._retired
+            for earlier in app.fleet.endpoints
+            if earlier.url == endpoint.url and earlier.pool == endpoint.pool
+        )
 
     def _left(self, app: GatewayApp) -> None:
         remaining = self._inflight[app] - 1

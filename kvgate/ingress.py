@@ -153,6 +153,13 @@ def _check_common(payload: dict[str, Any]) -> bool:
             raise InvalidRequest(
                 "'stream_options' is only allowed when 'stream' is true", param="stream_options"
             )
+        for flag in ("include_usage", "continuous_usage_stats"):
+            if options.get(flag) is not None and not isinstance(options[flag], bool):
+                raise InvalidRequest(
+                    f"'stream_options.{flag}' must be a boolean",
+                    param=f"stream_options.{flag}",
+                    code="invalid_type",
+                )
     for key in ("max_tokens", "max_completion_tokens", "n"):
         _check_count(payload, key)
     return stream

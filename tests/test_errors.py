@@ -54,6 +54,29 @@ def test_an_engine_too_long_prompt_is_context_length_exceeded(body):
     assert error["code"] == "context_length_exceeded" and error["param"] == "messages"
 
 
+VLLM_MAX_TOKENS_TOO_LARGE = {
+    "error": {
+        "message": "'max_tokens' or 'max_completion_tokens' is too large: 40000. This model's "
+        "maximum context length is 32768 tokens and your request has 12 input tokens "
+        "(40000 > 32768 - 12).",
+        "type": "BadRequestError",
+        "param": None,
+        "code": 400,
+    }
+}
+
+
+def test_a_context_length_error_names_the_field_at_fault():
+    """The engine's own `param` if it gave one; else the completion limit the message names;
+    else the route's prompt field."""
+    too_long = orjson.dumps(VLLM_TOO_LONG)
+    assert _wire(upstream_error_from_body(400, too_long, None, "prompt"))["param"] == "prompt"
+    limit = orjson.dumps(VLLM_MAX_TOKENS_TOO_LARGE)
+    assert _wire(upstream_error_from_body(400, limit))["param"] == "max_tokens"
+    named = {"error": {**VLLM_TOO_LONG["error"], "param": "input"}}
+    assert _wire(upstream_error_from_body(400, orjson.dumps(named)))["param"] == "input"
+
+
 def _engine(message: str, kind: str, code: object, **extra: object) -> dict:
     return {"error": {"message": message, "type": kind, "code": code, **extra}}
 
@@ -124,6 +147,9 @@ def test_engine_context_length_error_through_the_gateway_with_the_sdk(upstream, 
         client.chat.completions.create(model="m1", messages=[{"role": "user", "content": "hi"}])
     assert info.value.code == "context_length_exceeded" and info.value.param == "messages"
     assert info.value.type == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="m1", prompt="hi")
+    assert info.value.code == "context_length_exceeded" and info.value.param == "prompt"
 
 
 def test_a_broken_engine_connection_is_described_without_library_names(upstream, gateway):

@@ -252,6 +252,11 @@ def reference_schema_ok(route: str, body: Any) -> bool:
     options = body.get("stream_options")
     if options is not None and (not isinstance(options, dict) or not stream):
         return False
+    if isinstance(options, dict) and any(
+        options.get(flag) is not None and not isinstance(options[flag], bool)
+        for flag in ("include_usage", "continuous_usage_stats")
+    ):
+        return False
     for key in ("max_tokens", "max_completion_tokens", "n"):
         value = body.get(key)
         if value is not None and not (_is_int(value) and value >= 1):
@@ -261,9 +266,12 @@ def reference_schema_ok(route: str, body: Any) -> bool:
 
 def _as_forwarded(route: str, body: dict[str, Any]) -> dict[str, Any]:
     """The body as the gateway forwards it: untouched, except that a chat or completions
-    stream always asks the engine for usage (kvgate/upstream/usage_request.py)."""
+    stream asks the engine for usage unless the client asked or set `continuous_usage_stats`
+    (kvgate/upstream/usage_request.py)."""
     options = body.get("stream_options")
-    asks = isinstance(options, dict) and options.get("include_usage") is True
+    asks = isinstance(options, dict) and (
+        options.get("include_usage") is True or bool(options.get("continuous_usage_stats"))
+    )
     if route in ("chat", "completions") and body.get("stream") is True and not asks:
         return {**body, "stream_options": {**(options or {}), "include_usage": True}}
     return body

@@ -64,6 +64,12 @@ def _assert_openai_error(
             b'"stream_options": {"include_usage": true}}',
             "stream_options",
         ),
+        (
+            CHAT_URL,
+            b'{"model": "m1", "messages": [{"role": "user", "content": "x"}], "stream": true, '
+            b'"stream_options": {"include_usage": "yes"}}',
+            "stream_options.include_usage",
+        ),
         (CHAT_URL, b'{"model": "m1", "messages": [{"role": "user"}]}', "messages[0].content"),
         (
             CHAT_URL,

@@ -6,6 +6,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import gateway_config
@@ -46,6 +47,21 @@ def test_hop_by_hop_and_client_credentials_never_reach_the_engine(upstream, star
     assert seen["x-custom"] == "kept"
     assert seen["x-request-id"] == response.headers["x-request-id"]
     assert len(response.headers["x-request-id"]) >= 16
+
+
+def test_the_engine_is_told_the_body_is_json_whatever_the_client_declared(upstream, gateway):
+    """`curl -d` declares a form; vLLM refuses any content type but JSON."""
+    engine, _ = upstream
+    _, server = gateway
+    for declared in ("application/x-www-form-urlencoded", "text/plain", None):
+        headers = {} if declared is None else {"content-type": declared}
+        response = httpx.post(
+            server.url + "/v1/chat/completions", content=orjson.dumps(CHAT), headers=headers
+        )
+        assert response.status_code == 200
+    assert [r.headers["content-type"] for r in engine.inference_requests] == [
+        "application/json"
+    ] * 3
 
 
 def test_client_request_id_is_kept_and_returned(upstream, gateway):

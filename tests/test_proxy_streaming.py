@@ -7,10 +7,12 @@ import socket
 import time
 
 import httpx
+import openai
 import orjson
 import pytest
 
 from tests.conftest import gateway_config
+from tests.sdk_clients import sdk_client
 from tests.servers import ServerThread
 
 CHAT = {"model": "m1", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
@@ -92,6 +94,63 @@ def test_failure_after_commit_ends_stream_with_error_event_not_done(upstream, ga
     last = orjson.loads(events[-1].removeprefix(b"data: "))
     assert set(last["error"]) == {"message", "type", "param", "code"}
     _wait_for(lambda: app.fleet.endpoints[0].inflight == 0)
+
+
+def test_an_engine_error_event_mid_stream_reaches_the_client_in_openai_shape_and_ends_it(
+    upstream, gateway
+):
+    """vLLM streams its own vocabulary (`BadRequestError`, the status as an integer code) and
+    a `[DONE]` after it; the client gets OpenAI's shape as the stream's last event."""
+    engine, _ = upstream
+    # Apart: the first event is relayed (the stream committed) before the error arrives.
+    engine.script.chunks, engine.script.error_event_after, engine.script.gap = 5, 2, 0.05
+    app, server = gateway
+    response = httpx.post(server.url + "/v1/chat/completions", json=CHAT)
+    assert response.status_code == 200
+    events = _events(response.content)
+    assert len(events) == 3 and b"[DONE]" not in response.content
+    error = orjson.loads(events[-1].removeprefix(b"data: "))["error"]
+    assert error == {
+        "message": "scripted failure mid-stream",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": None,
+    }
+    client = sdk_client(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    stream = client.chat.completions.create(
+        model="m1", messages=[{"role": "user", "content": "hi"}], stream=True
+    )
+    with pytest.raises(openai.APIError, match="scripted failure mid-stream"):
+        for _ in stream:
+            pass
+    _wait_for(lambda: app.fleet.endpoints[0].inflight == 0)
+
+
+def test_an_engine_error_event_before_any_token_is_the_answer(upstream, gateway):
+    engine, _ = upstream
+    engine.script.error_event_after = 0
+    _, server = gateway
+    response = httpx.post(server.url + "/v1/chat/completions", json=CHAT)
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    assert response.json()["error"]["code"] is None
+
+
+def test_an_event_of_megabytes_is_relayed_whole(upstream, gateway):
+    """A completions stream with `echo` and `logprobs` puts the prompt's log-probabilities in
+    its first event: megabytes for a long prompt."""
+    engine, _ = upstream
+    engine.script.chunks, engine.script.padding = 2, 3_000_000
+    _, server = gateway
+    response = httpx.post(server.url + "/v1/chat/completions", json=CHAT, timeout=60)
+    assert response.status_code == 200
+    events = _events(response.content)
+    assert events[-1] == b"data: [DONE]"
+    contents = [
+        orjson.loads(e.removeprefix(b"data: "))["choices"][0]["delta"]["content"]
+        for e in events[:2]
+    ]
+    assert contents == [f"tok{i} " + "x" * 3_000_000 for i in range(2)]
 
 
 def test_first_token_timeout(upstream, start_gateway):

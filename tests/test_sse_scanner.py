@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvgate.upstream.sse import SseProtocolError, SseScanner
+from kvgate.upstream.sse import MAX_EVENT_BYTES, SseProtocolError, SseScanner
 
 STREAM = (
     b'data: {"id":"1","choices":[{"delta":{"content":"a"}}]}\n\n'
@@ -66,8 +66,34 @@ def test_an_event_with_a_field_after_its_data_is_read_by_its_data_lines():
 
 def test_oversized_event_is_a_protocol_error():
     scanner = SseScanner()
+    part = b"x" * 2**20
+    scanner.feed(b"data: {")
     with pytest.raises(SseProtocolError):
-        scanner.feed(b"data: " + b"x" * (2 * 1024 * 1024))
+        for _ in range(MAX_EVENT_BYTES // len(part) + 1):
+            scanner.feed(part)
+
+
+@pytest.mark.parametrize("ending", [b"\n\n", b"\r\n\r\n"])
+def test_a_large_event_arriving_in_many_reads_is_relayed_whole_once_it_ends(ending):
+    event = b'data: {"choices":[{"text":"' + b"y" * 3_000_000 + b'"}]}' + ending
+    scanner = SseScanner()
+    out = [scanner.feed(event[i : i + 65536]) for i in range(0, len(event), 65536)]
+    assert out[-1] == event and not any(out[:-1])
+    assert scanner.data_events == 1
+
+
+@pytest.mark.parametrize("split", [1, 5, 40, 10_000])
+def test_an_error_event_and_what_follows_it_are_held_back(split):
+    content = b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n'
+    error = (
+        b'data: {"error":{"message":"bad","type":"BadRequestError","param":null,"code":400}}\n\n'
+    )
+    stream = content * 2 + error + content + b"data: [DONE]\n\n"
+    scanner = SseScanner()
+    relayed = b"".join(scanner.feed(stream[i : i + split]) for i in range(0, len(stream), split))
+    assert relayed == content * 2
+    assert scanner.error is not None and scanner.error["code"] == 400
+    assert scanner.terminated and not scanner.done and scanner.flush() == b""
 
 
 def test_a_responses_stream_ends_with_its_last_event_and_carries_usage():

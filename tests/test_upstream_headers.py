@@ -25,6 +25,7 @@ def test_forwarded_set():
                 (b"traceparent", b"00-abc"),
                 (b"user-agent", b"sdk"),
                 (b"accept-encoding", b"gzip"),
+                (b"content-type", b"application/x-www-form-urlencoded"),
             ],
             "rid",
             b"Bearer engine",
@@ -35,5 +36,6 @@ def test_forwarded_set():
         b"user-agent": b"sdk",
         b"x-request-id": b"rid",
         b"accept-encoding": b"identity",
+        b"content-type": b"application/json",
         b"authorization": b"Bearer engine",
     }

@@ -29,6 +29,10 @@ class Script:
     content_type: bytes = b"text/event-stream"
     answer_body: bytes | None = None  # a non-stream answer's bytes, instead of a built one
     extra_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    # A stream's error event after this many chunks, as vLLM sends one (then `[DONE]`).
+    error_event_after: int | None = None
+    # Bytes of content each streamed chunk carries besides its token (a large event).
+    padding: int = 0
 
 
 @dataclass
@@ -131,6 +135,9 @@ class ScriptedUpstream:
                 raise RuntimeError("scripted mid-stream crash")
             if i and script.gap:
                 await asyncio.sleep(script.gap)
+            if i == script.error_event_after:
+                await send({"type": "http.response.body", "more_body": True, "body": _VLLM_ERROR})
+                break
             chunk = {
                 "id": "cmpl-1",
                 "object": "chat.completion.chunk",
@@ -139,7 +146,7 @@ class ScriptedUpstream:
                 "choices": [
                     {
                         "index": 0,
-                        "delta": {"content": f"tok{i} "},
+                        "delta": {"content": f"tok{i} " + "x" * script.padding},
                         "finish_reason": "stop" if i == script.chunks - 1 else None,
                     }
                 ],
@@ -263,3 +270,11 @@ def chat_answer(
         **after,
     }
     return orjson.dumps(body)
+
+
+# What vLLM streams when a request fails after its stream started (its own vocabulary: the
+# exception's name as the type, the HTTP status as the code), before `[DONE]`.
+_VLLM_ERROR = (
+    b'data: {"error": {"message": "scripted failure mid-stream", "type": "BadRequestError", '
+    b'"param": null, "code": 400}}\n\n'
+)

@@ -77,7 +77,7 @@ class RoutingCollector(Collector):
             decoding.add_metric([name], endpoint.decoding)
             stale.add_metric([name], 1 if endpoint.stale else 0)
             saturated.add_metric([name], 1 if endpoint.saturated else 0)
-            inflight.add_metric([name], endpoint.inflight)
+            inflight.add_metric([name], endpoint.inflight + self.fleet.earlier_inflight(endpoint))
             healthy.add_metric([name], 1 if endpoint.healthy else 0)
             drained.add_metric([name], 1 if endpoint.drained else 0)
         yield from (entries, capacity, evictions, prefill, decoding, stale, saturated)

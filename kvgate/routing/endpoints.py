@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -272,6 +272,10 @@ class Fleet:
         self.pools = list(pools)
         self.panic_threshold = panic_threshold
         self.endpoints = [e for p in self.pools for e in p.endpoints]
+        # Requests still running on an endpoint (the same pool and URL) in the fleets of apps
+        # a reload replaced: they count in its in-flight figures until they finish
+        # (`ReloadableGateway` sets this).
+        self.earlier_inflight: Callable[[Endpoint], int] = _none_earlier
         self._by_model: dict[str, list[Endpoint]] = {}
         self._healthy_by_model: dict[str, list[Endpoint]] = {}
         self._home_pool: dict[str, str] = {}
@@ -352,3 +356,7 @@ class Fleet:
 
     def unready_pools(self) -> list[str]:
         return [p.name for p in self.pools if not p.ready]
+
+
+def _none_earlier(endpoint: Endpoint) -> int:
+    return 0

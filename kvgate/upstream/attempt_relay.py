@@ -21,6 +21,7 @@ import orjson
 
 from kvgate.asgi import Send, send_bytes
 from kvgate.errors import (
+    PROMPT_PARAMS,
     KvgateError,
     UpstreamError,
     UpstreamProtocolError,
@@ -38,10 +39,8 @@ from kvgate.upstream.moving_deadline import MovingDeadline
 from kvgate.upstream.request_timeouts import RequestTimeouts
 from kvgate.upstream.resilience import AttemptRecord, Resilience
 from kvgate.upstream.resume import StreamTranscript
-from kvgate.upstream.sse import SseProtocolError, SseScanner
+from kvgate.upstream.sse import MAX_EVENT_BYTES, SseProtocolError, SseScanner
 from kvgate.upstream.transport import TransportError, UpstreamResponse, UpstreamTransport
-
-_FIRST_EVENT_LIMIT = 1024 * 1024
 
 
 class StreamBroken(Exception):
@@ -62,6 +61,8 @@ class _Request:
     headers: Headers
     body: bytes  # b"" once sent: a retry or a resume builds a request of its own
     connect_timeout: float
+    # The body's field that holds the prompt, named by a too-long prompt's error.
+    prompt_param: str
 
 
 class AttemptRelay:
@@ -100,6 +101,7 @@ class AttemptRelay:
             ),
             ctx.body if body is None else body,
             limits.connect,
+            PROMPT_PARAMS.get(ctx.route, "messages"),
         )
         loop = asyncio.get_running_loop()
         deadline = loop.time() + limits.remaining()
@@ -161,12 +163,14 @@ class AttemptRelay:
         finally:
             response.close()
 
-    async def _error_from(self, response: UpstreamResponse) -> KvgateError:
+    async def _error_from(self, response: UpstreamResponse, request: _Request) -> KvgateError:
         try:
             body = await response.read(self.max_error_body_bytes)
         except TransportError:
             body = b""
-        return upstream_error_from_body(response.status, body, _retry_after(response))
+        return upstream_error_from_body(
+            response.status, body, _retry_after(response), request.prompt_param
+        )
 
     async def _relay_unary(
         self, ctx: RequestContext, request: _Request, send: Send, deadline: float
@@ -196,7 +200,7 @@ class AttemptRelay:
                 )
                 request.body = b""
                 if response.status >= 400:
-                    raise await self._error_from(response)
+                    raise await self._error_from(response, request)
                 body = await response.read()
                 content_type = response.headers.get("content-type", "application/json")
                 return response.status, content_type, body
@@ -206,13 +210,13 @@ class AttemptRelay:
             if response is not None:
                 response.close()
 
-    async def _expect_stream(self, response: UpstreamResponse) -> None:
+    async def _expect_stream(self, response: UpstreamResponse, request: _Request) -> None:
         """Raise the engine's error unless `response` is a 200 event stream."""
         if response.status != 200:
-            raise await self._error_from(response)
+            raise await self._error_from(response, request)
         content_type = response.headers.get("content-type", "")
         if not content_type.startswith("text/event-stream"):
-            error = await self._error_from(response)
+            error = await self._error_from(response, request)
             raise UpstreamProtocolError(
                 f"the engine answered a stream request with '{content_type}': {error.message}",
                 code="upstream_not_a_stream",
@@ -231,7 +235,7 @@ class AttemptRelay:
         transcript: StreamTranscript | None,
     ) -> None:
         async with self._opened(request, first_token_until) as response:
-            await self._expect_stream(response)
+            await self._expect_stream(response, request)
             loop = asyncio.get_running_loop()
             scanner = SseScanner(strip_usage=ctx.strip_usage)
             chunks: AsyncIterator[bytes] = response.iter_raw()
@@ -245,10 +249,13 @@ class AttemptRelay:
                         chunk = await anext(chunks)
                         pending.append(scanner.feed(chunk))
                         size += len(chunk)
-                        if size > _FIRST_EVENT_LIMIT:
-                            raise SseProtocolError("no event in the first MiB of the stream")
+                        if size > MAX_EVENT_BYTES:
+                            raise SseProtocolError(
+                                f"no event in the first {MAX_EVENT_BYTES // 2**20} MiB of the "
+                                "stream"
+                            )
                     if scanner.error is not None and not ctx.committed:
-                        raise _event_error(scanner.error)
+                        raise _event_error(scanner.error, request.prompt_param)
                     first = b"".join(pending)
                     if transcript is not None:
                         first = transcript.shape(first)
@@ -276,10 +283,11 @@ class AttemptRelay:
                             record_gap(now - relayed_at)
                             relayed_at = now
                         await _send_body(send, out)
-                    # Relay anything the engine sends after [DONE] until it closes the stream.
-                    await _send_body(send, scanner.flush())
-                    async for chunk in chunks:
-                        await _send_body(send, chunk)
+                    if scanner.error is None:
+                        # Relay what the engine sends after [DONE] until it closes the stream.
+                        await _send_body(send, scanner.flush())
+                        async for chunk in chunks:
+                            await _send_body(send, chunk)
             except TimeoutError as expired:
                 error = attempt_failure(expired, "total" if loop.time() >= deadline else phase)
             except TransportError as failure:
@@ -297,11 +305,15 @@ class AttemptRelay:
                 ctx.response_model = scanner.model
                 if transcript is not None and transcript.continuing:
                     ctx.usage = transcript.usage
+                last = b""
                 if scanner.error is not None:
+                    # The engine's error event, in OpenAI's shape, ends the stream.
                     ctx.outcome = "upstream_error_event"
-                    record.failed(judge(_event_error(scanner.error)))
+                    event_error = _event_error(scanner.error, request.prompt_param)
+                    record.failed(judge(event_error))
+                    last = event_error.to_sse()
                 ctx.responded = True
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                await send({"type": "http.response.body", "body": last, "more_body": False})
                 return
             ctx.relayed_events += scanner.data_events
             if ctx.committed:
@@ -344,11 +356,11 @@ def _looks_like_json(body: bytes) -> bool:
     return stripped[:1] == b"{" and stripped[-1:] == b"}"
 
 
-def _event_error(error: dict[str, object]) -> UpstreamError:
+def _event_error(error: dict[str, object], prompt_param: str) -> UpstreamError:
     """An error the engine sent as a stream event, as the error it would have answered."""
     code = error.get("code")
     status = code if isinstance(code, int) and 400 <= code <= 599 else 502
-    return upstream_error_from_body(status, orjson.dumps({"error": error}))
+    return upstream_error_from_body(status, orjson.dumps({"error": error}), None, prompt_param)
 
 
 def _response_headers(ctx: RequestContext) -> Headers:

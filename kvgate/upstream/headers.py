@@ -6,7 +6,9 @@ from kvgate.request_options import REQUEST_ID
 from kvgate.types import Headers
 
 # RFC 9110 §7.6.1 hop-by-hop headers, plus those kvgate sets itself or must never forward:
-# the client's Authorization (the endpoint's own key is used), Host, framing and encoding.
+# the client's Authorization (the endpoint's own key is used), Host, framing and encoding, and
+# the content type (the body is the JSON object the gateway read: vLLM refuses any other
+# declared type, and a client's curl -d says application/x-www-form-urlencoded).
 _NEVER_FORWARD = frozenset(
     {
         b"connection",
@@ -19,6 +21,7 @@ _NEVER_FORWARD = frozenset(
         b"upgrade",
         b"host",
         b"content-length",
+        b"content-type",
         b"authorization",
         b"accept-encoding",
         b"x-request-id",
@@ -35,10 +38,10 @@ def upstream_headers(
     auth_header: bytes | None,
     trace_context: Headers | None = None,
 ) -> Headers:
-    """Client headers minus hop-by-hop ones (and any named in Connection), plus the request id
-    and the endpoint's credentials. `traceparent` and other end-to-end headers pass through,
-    except that a given `trace_context` (the attempt span's, when tracing is on) replaces the
-    client's `traceparent` and `tracestate`."""
+    """Client headers minus hop-by-hop ones (and any named in Connection), plus the request id,
+    `content-type: application/json` and the endpoint's credentials. `traceparent` and other
+    end-to-end headers pass through, except that a given `trace_context` (the attempt span's,
+    when tracing is on) replaces the client's `traceparent` and `tracestate`."""
     named_in_connection: set[bytes] = set()
     for name, value in client_headers:
         if name == b"connection":
@@ -56,6 +59,7 @@ def upstream_headers(
         out += trace_context
     out.append((REQUEST_ID, request_id.encode()))
     out.append((b"accept-encoding", b"identity"))
+    out.append((b"content-type", b"application/json"))
     if auth_header is not None:
         out.append((b"authorization", auth_header))
     return out

@@ -10,7 +10,13 @@ a stream that breaks mid-event never leaves half an event before the error event
 
 With `strip_usage` the usage-only event (`choices` empty, `usage` set: what
 `stream_options.include_usage` adds before `[DONE]`) is read and left out of the returned
-bytes, for clients that did not ask for it (the gateway did).
+bytes, for clients that did not ask for it (the gateway did). An error event is left out too,
+with everything after it: the relay sends the client the error in OpenAI's shape instead, as
+the stream's last event (engines put their own vocabulary in it, and vLLM a `[DONE]` after it).
+
+An event may be large (a completions stream with `echo` and `logprobs` puts the whole prompt's
+log-probabilities in its first event, hundreds of bytes a token): the bytes of an event still
+arriving are kept as a list and joined once its end arrives, up to MAX_EVENT_BYTES.
 
 Malformed events are detected cheaply, without parsing: a data payload other than `[DONE]`
 must start with `{` and end with `}` (every engine sends one JSON object per event). A
@@ -27,7 +33,12 @@ import orjson
 _BOUNDARY = re.compile(rb"\r?\n\r?\n")
 # Engines that send `"usage": null` on every chunk: nothing to read there.
 _NULL_USAGE = re.compile(rb'"usage"\s*:\s*null')
-MAX_PENDING_BYTES = 1024 * 1024
+# The largest event relayed (beyond it the stream is a protocol error): an echoed 100k-token
+# prompt with top log-probabilities fits.
+MAX_EVENT_BYTES = 64 * 2**20
+# Where an event's end may straddle two reads: the last bytes of the one before are searched
+# with the next for a blank line (LF LF, or CR LF CR LF; both contain one of these).
+_ENDS = (b"\n\n", b"\n\r\n")
 _RESPONSES_LAST_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
 # Searched in an event that `_WORTH_READING` flags, before parsing it.
 _RESPONSES_LAST_NAMES = tuple(f'"{name}"'.encode() for name in sorted(_RESPONSES_LAST_EVENTS))
@@ -69,11 +80,22 @@ class SseScanner:
     """Feed raw chunks in arrival order; read `data_events`, `done`, `error`, `usage` and
     `model` (the model named by the event that carried the usage)."""
 
-    __slots__ = ("_tail", "data_events", "done", "error", "model", "strip_usage", "usage")
+    __slots__ = (
+        "_arriving",
+        "_arriving_bytes",
+        "data_events",
+        "done",
+        "error",
+        "model",
+        "strip_usage",
+        "usage",
+    )
 
     def __init__(self, strip_usage: bool = False) -> None:
         self.strip_usage = strip_usage
-        self._tail = b""
+        # The bytes of an event whose end has not arrived yet, as read.
+        self._arriving: list[bytes] = []
+        self._arriving_bytes = 0
         self.data_events = 0
         self.done = False
         self.error: dict[str, Any] | None = None
@@ -86,24 +108,60 @@ class SseScanner:
         return self.done or self.error is not None
 
     def feed(self, chunk: bytes) -> bytes:
-        """Scan `chunk`; return the bytes of the events it completed (possibly b"")."""
-        buffer = self._tail + chunk if self._tail else chunk
-        events, self._tail = split_events(buffer)
-        if len(self._tail) > MAX_PENDING_BYTES:
-            raise SseProtocolError("upstream sent an event larger than 1 MiB")
-        dropped = [event for event in events if self._event(event)]
-        out = buffer[: len(buffer) - len(self._tail)] if self._tail else buffer
+        """Scan `chunk`; return the bytes of the events it completed (possibly b""; always
+        after an error event)."""
+        if self.error is not None:
+            return b""
+        arriving = self._arriving
+        if arriving:
+            edge = arriving[-1][-3:] + chunk[:3]
+            if not any(end in chunk or end in edge for end in _ENDS):
+                self._hold(chunk)
+                return b""
+            arriving.append(chunk)
+            buffer = b"".join(arriving)
+            arriving.clear()
+            self._arriving_bytes = 0
+        else:
+            buffer = chunk
+        events, tail = split_events(buffer)
+        if tail:
+            self._hold(tail)
+        cut = len(buffer) - len(tail)
+        dropped: list[bytes] = []
+        for index, event in enumerate(events):
+            leave_out = self._event(event)
+            if self.error is not None:  # the error and what follows it are not relayed
+                cut = _start_of(buffer, events, index)
+                self._arriving.clear()
+                self._arriving_bytes = 0
+                break
+            if leave_out:
+                dropped.append(event)
+        out = buffer[:cut]
         for event in dropped:
             out = _without(out, event)
         return out
 
+    def _hold(self, part: bytes) -> None:
+        """Keep `part` of an event still arriving."""
+        self._arriving.append(part)
+        self._arriving_bytes += len(part)
+        if self._arriving_bytes > MAX_EVENT_BYTES:
+            raise SseProtocolError(
+                f"upstream sent an event larger than {MAX_EVENT_BYTES // 2**20} MiB"
+            )
+
     def flush(self) -> bytes:
         """Bytes held back after the last complete event (relayed once the stream ended)."""
-        tail, self._tail = self._tail, b""
+        tail = b"".join(self._arriving)
+        self._arriving.clear()
+        self._arriving_bytes = 0
         return tail
 
     def _event(self, event: bytes) -> bool:
-        """Read one event; True when it is to be left out of the relayed bytes."""
+        """Read one event; True when it is to be left out of the relayed bytes (a usage-only
+        event the client did not ask for, an error)."""
         data = event_data(event)
         if data is None:
             return False
@@ -167,6 +225,14 @@ class SseScanner:
 def _model_of(answer: dict[str, Any]) -> str | None:
     model = answer.get("model")
     return model if isinstance(model, str) else None
+
+
+def _start_of(buffer: bytes, events: list[bytes], index: int) -> int:
+    """Where `events[index]` starts in `buffer` (the events `split_events` found in it)."""
+    position = 0
+    for event in events[:index]:
+        position = buffer.index(event, position) + len(event)
+    return buffer.index(events[index], position)
 
 
 def _without(out: bytes, event: bytes) -> bytes:

@@ -16,6 +16,7 @@ import pytest
 
 from kvgate.hot_reload import ReloadableGateway
 from kvgate.sim import EngineOptions, SimFleet
+from tests.metrics_text import sample_value
 from tests.observability.serving import ADMIN_KEY, KEY, Serve, free_port, write_config
 from tests.sdk_clients import sdk_client
 from tests.servers import ServerThread
@@ -95,6 +96,43 @@ def _wait_for_model(base: str, model: str) -> None:
     while model not in _models(base):
         assert time.monotonic() < deadline, f"{model} never served after the reload"
         time.sleep(0.02)
+
+
+def test_a_stream_across_a_reload_counts_on_its_engine_when_names_move(tmp_path, fleet, newcomer):
+    """Endpoint names are positions in the config: a reload that puts another engine first
+    moves `sim-0`. The stream still counts in flight on the engine it runs on (its URL), in
+    the admin API and in the metric."""
+    port = free_port()
+    config = write_config(tmp_path / "gw.yaml", fleet.urls, port)
+    with Serve(config, port) as gateway:
+        stream = SlowStream(gateway.base, tokens=300)  # about 4.5 s, on sim-0 (fleet's engine)
+        write_config(config, newcomer.urls + fleet.urls, port)
+        gateway.signal(signal.SIGHUP)
+        admin = {"authorization": f"Bearer {ADMIN_KEY}"}
+        deadline = time.monotonic() + 10
+        while (
+            len(
+                listed := httpx.get(gateway.base + "/admin/endpoints", headers=admin).json()["data"]
+            )
+            < 2
+        ):
+            assert time.monotonic() < deadline, "the reload never took effect"
+            time.sleep(0.05)
+        in_flight = {e["url"]: e["in_flight"] for e in listed}
+        assert in_flight == {newcomer.urls[0]: 0, fleet.urls[0]: 1}
+        metric = httpx.get(gateway.base + "/metrics", headers=admin).text
+        names = {e["url"]: e["name"] for e in listed}
+        assert (
+            sample_value(metric, "kvgate_endpoint_inflight_requests", endpoint=names[fleet.urls[0]])
+            == 1
+        )
+        assert (
+            sample_value(
+                metric, "kvgate_endpoint_inflight_requests", endpoint=names[newcomer.urls[0]]
+            )
+            == 0
+        )
+        assert stream.result() == "length"
 
 
 def test_sighup_mid_stream_finishes_the_stream_and_serves_the_new_config(tmp_path, fleet, newcomer):

@@ -80,6 +80,24 @@ def test_a_client_with_other_stream_options_keeps_them(upstream, start_gateway):
     assert not any(b'"usage"' in e for e in _events(reply.content))
 
 
+def test_continuous_usage_stats_without_include_usage_is_not_turned_into_usage_on_every_chunk(
+    upstream, start_gateway
+):
+    """vLLM and SGLang send usage on every chunk when both flags are on and none when only
+    `continuous_usage_stats` is: the gateway must not ask."""
+    engine, up = upstream
+    _app, server = start_gateway(gateway_config([up.url]))
+    options = {"continuous_usage_stats": True}
+    reply = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={**CHAT, "stream_options": options},
+        timeout=10,
+    )
+    assert reply.status_code == 200
+    (received,) = engine.inference_requests
+    assert received.body["stream_options"] == options
+
+
 def _feedback(capacity: int = 1000) -> tuple[PrefixIndex, CacheFeedback, PrefixHasher]:
     index = PrefixIndex(default_capacity=capacity)
     index.add_endpoints(["e"])
