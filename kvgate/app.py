@@ -105,7 +105,9 @@ class GatewayApp:
         self.routing = RoutingServices.from_config(
             config.routing,
             config.classification.chars_per_token,
-            functools.partial(SharedPrefixIndex, self.store)
+            functools.partial(
+                SharedPrefixIndex, self.store, {e.name: e.url for e in self.fleet.endpoints}
+            )
             if config.state.backend == "redis"
             else PrefixIndex,
         )
@@ -340,12 +342,18 @@ class GatewayApp:
         return ctx
 
     def _local_load(self) -> dict[str, ReplicaLoad]:
-        return {e.name: ReplicaLoad(e.inflight, e.prefill_tokens) for e in self.fleet.endpoints}
+        """This replica's load on each engine, by URL (names are positions in a config; see
+        kvgate/routing/shared_index.py). An engine in two pools sums both."""
+        loads: dict[str, ReplicaLoad] = {}
+        for e in self.fleet.endpoints:
+            load = ReplicaLoad(e.inflight, e.prefill_tokens)
+            loads[e.url] = loads[e.url] + load if e.url in loads else load
+        return loads
 
     def _apply_peer_load(self, peers: Mapping[str, ReplicaLoad]) -> None:
         none = ReplicaLoad()
         for endpoint in self.fleet.endpoints:
-            load = peers.get(endpoint.name, none)
+            load = peers.get(endpoint.url, none)
             endpoint.peer_inflight = load.inflight
             endpoint.peer_queued_tokens = load.queued_tokens
 

@@ -78,12 +78,16 @@ class Gateways:
         redis_url: str | None,
         rpm: int | None = None,
         op_timeout: float = 0.5,
+        rotated: bool = False,
     ) -> None:
+        """`rotated`: gateway i lists the engines starting from the i-th (its endpoint names
+        then stand for other engines than the others' do)."""
         self.bases: list[str] = []
         self.procs: list[subprocess.Popen[bytes]] = []
         for i in range(count):
             port = _free_port()
-            config = _config(tmp / f"gw{i}.yaml", urls, port, redis_url, rpm, op_timeout)
+            listed = urls[i:] + urls[:i] if rotated else urls
+            config = _config(tmp / f"gw{i}.yaml", listed, port, redis_url, rpm, op_timeout)
             self.procs.append(
                 subprocess.Popen(
                     [
@@ -171,6 +175,38 @@ def test_three_replicas_keep_the_prefix_hit_rate_of_one(tmp_path, redis):
             three.stop()
     assert one > 0.5
     assert shared >= 0.95 * one
+
+
+def test_replicas_listing_the_engines_in_other_orders_share_prefixes_by_engine(tmp_path, redis):
+    """A rolling config change leaves replicas whose endpoint names stand for different
+    engines: a prompt first served through one replica must find its prefix cached when its
+    follow-up goes through the other."""
+    with _fleet() as fleet:
+        pair = Gateways(tmp_path, list(fleet.urls), 2, redis.url, rotated=True)
+        try:
+            first, second = pair.clients()
+            prompt_tokens = cached = 0
+            for group in range(8):
+                system = f"You are assistant number {group}. " + f"Rule {group}: be exact. " * 120
+                ask = [{"role": "system", "content": system}]
+                first.chat.completions.create(
+                    model="sim-model",
+                    max_tokens=2,
+                    messages=[*ask, {"role": "user", "content": "a"}],
+                )
+                time.sleep(0.3)  # the routing decision reaches the other replica
+                answer = second.chat.completions.create(
+                    model="sim-model",
+                    max_tokens=2,
+                    messages=[*ask, {"role": "user", "content": "b"}],
+                )
+                assert answer.usage is not None
+                prompt_tokens += answer.usage.prompt_tokens
+                details = answer.usage.prompt_tokens_details
+                cached += (details.cached_tokens or 0) if details else 0
+        finally:
+            pair.stop()
+    assert cached >= 0.8 * prompt_tokens
 
 
 def test_quota_is_exact_across_three_replicas(tmp_path, redis):
