@@ -35,7 +35,7 @@ from kvgate.upstream.answer_usage import answer_usage
 from kvgate.upstream.attempts import judge
 from kvgate.upstream.failures import Phase, attempt_failure
 from kvgate.upstream.headers import upstream_headers
-from kvgate.upstream.moving_deadline import MovingDeadline
+from kvgate.upstream.moving_deadline import TIMER_RESOLUTION, MovingDeadline
 from kvgate.upstream.request_timeouts import RequestTimeouts
 from kvgate.upstream.resilience import AttemptRecord, Resilience
 from kvgate.upstream.resume import StreamTranscript
@@ -289,7 +289,10 @@ class AttemptRelay:
                         async for chunk in chunks:
                             await _send_body(send, chunk)
             except TimeoutError as expired:
-                error = attempt_failure(expired, "total" if loop.time() >= deadline else phase)
+                # A timer may fire up to its resolution early: one that fires that close to
+                # the total deadline is the deadline's.
+                at_deadline = loop.time() + TIMER_RESOLUTION >= deadline
+                error = attempt_failure(expired, "total" if at_deadline else phase)
             except TransportError as failure:
                 error = attempt_failure(failure, phase)
             except StopAsyncIteration:

@@ -198,6 +198,8 @@ class Forwarder:
                 ctx.responded = True
                 await send({"type": "http.response.body", "body": _DONE, "more_body": False})
                 return
+            if error.code == "deadline_exceeded" or limits.remaining() <= 0:
+                break  # the request's own deadline: never resumed
             body = continuation_body(ctx, transcript)
             if body is None or self.picker is None:
                 break

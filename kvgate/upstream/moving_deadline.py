@@ -15,7 +15,7 @@ import asyncio
 from types import TracebackType
 
 # uvloop's timers count whole milliseconds: one may fire up to this much before its time.
-_TIMER_RESOLUTION = 0.001
+TIMER_RESOLUTION = 0.001
 
 
 class MovingDeadline:
@@ -46,7 +46,7 @@ class MovingDeadline:
         self.when = when
 
     def _fire(self) -> None:
-        if self.when - self._loop.time() > _TIMER_RESOLUTION:  # moved later since armed
+        if self.when - self._loop.time() > TIMER_RESOLUTION:  # moved later since armed
             self._handle = self._loop.call_at(self.when, self._fire)
             return
         self._handle = None

@@ -110,6 +110,23 @@ def test_at_most_one_resume_then_a_well_formed_error(fleet, start_gateway):
     assert all(e.inflight == 0 for e in app.fleet.endpoints)
 
 
+def test_the_requests_own_deadline_mid_stream_is_not_resumed(fleet, start_gateway):
+    """The total deadline is the client's: a stream it cuts ends with `deadline_exceeded`,
+    not with a resume that cannot start in time and an engine's timeout."""
+    _app, server = start_gateway(pool_config(fleet, pool={"resume": True}))
+    for engine in fleet.engines:
+        engine.set_fault({"mode": "stall_after_tokens", "tokens": 3, "delay_ms": 5000})
+    response = httpx.post(
+        server.url + "/v1/chat/completions",
+        timeout=20,
+        headers={"x-kvgate-timeout-ms": "1000"},
+        json=chat(max_tokens=40, ignore_eos=True, stream=True),
+    )
+    last = events(response.content)[-1]
+    assert last["error"]["code"] == "deadline_exceeded"
+    assert resumes(server.url, "failed") == resumes(server.url, "ok") == 0
+
+
 def test_ineligible_requests_are_not_resumed(fleet, start_gateway):
     _app, server = start_gateway(pool_config(fleet, pool={"resume": True}))
     fleet.engines[0].set_fault({"mode": "crash_after_tokens", "tokens": 4})
