@@ -45,7 +45,7 @@ from functools import partial
 
 from kvgate.background import OwnedTask
 from kvgate.chain.admission_ports import AdmissionObserver, Capacity, NoObserver
-from kvgate.chain.classify import Classifier
+from kvgate.chain.classify import Classifier, output_limit_field
 from kvgate.chain.intent import CLASS_RANK, CLASSES_BY_RANK, Intent
 from kvgate.chain.predict import DurationPredictor
 from kvgate.chain.queues import AdmissionQueue, QueueKey, Waiter
@@ -111,7 +111,7 @@ class AdmissionController:
         assert tenant is not None and intent is not None, "auth and classify run first"
         if self.draining:
             raise _draining()
-        reservation = await self._reserve(tenant, intent)
+        reservation = await self._reserve(tenant, intent, output_limit_field(ctx))
         ctx.on_finish(partial(self._settle, reservation))
         key: QueueKey = (ctx.model, ctx.allowed_jurisdictions)
         rank = CLASS_RANK[intent.latency_class]
@@ -132,15 +132,16 @@ class AdmissionController:
 
     # --- quotas -----------------------------------------------------------------------------
 
-    async def _reserve(self, tenant: Tenant, intent: Intent) -> Reservation:
+    async def _reserve(self, tenant: Tenant, intent: Intent, limit_field: str) -> Reservation:
+        """`limit_field`: the body field that limits the completion (named in a refusal)."""
         try:
             return await self.quotas.reserve(tenant.name, tenant.quota, intent.reserved_tokens)
         except QuotaTooSmall as exc:
             raise InvalidRequest(
                 f"This request needs about {exc.needed} tokens (estimated prompt plus "
-                f"max_tokens) but the tenant's tokens_per_minute is {exc.allowance}; lower "
-                "max_tokens or shorten the prompt",
-                param="max_tokens",
+                f"{limit_field}) but the tenant's tokens_per_minute is {exc.allowance}; lower "
+                f"{limit_field} or shorten the prompt",
+                param=limit_field,
                 code="tokens_exceed_quota",
             ) from None
         except QuotaExceeded as exc:

@@ -99,7 +99,7 @@ class Classifier:
         if ctx.route == "embeddings":
             return 0
         payload = ctx.payload
-        limit = payload.get("max_completion_tokens") or payload.get("max_tokens")
+        limit = payload.get(output_limit_field(ctx))
         if limit is None:
             limit = self.default_max_tokens
         n = payload.get("n")
@@ -155,3 +155,14 @@ class ClassifyStage:
         ctx.priority = request_priority(intent.latency_class, tenant.tier_priority)
         ctx.deadline = ctx.started + intent.deadline
         ctx.allowed_jurisdictions = intent.residency
+
+
+def output_limit_field(ctx: RequestContext) -> str:
+    """The body field that limits the request's completion tokens: `max_output_tokens` for the
+    Responses API, else `max_completion_tokens` when given (OpenAI's newer name, which vLLM
+    prefers too), else `max_tokens`."""
+    if ctx.route == "responses":
+        return "max_output_tokens"
+    if ctx.payload.get("max_completion_tokens") is not None:
+        return "max_completion_tokens"
+    return "max_tokens"

@@ -146,13 +146,32 @@ def test_streams_settle_from_usage_or_relayed_events(upstream, start_gateway):
     assert admission_state(app, server) == IDLE
 
 
-def test_request_larger_than_the_quota_is_400(upstream, start_gateway):
+@pytest.mark.parametrize(
+    ("path", "field"),
+    [
+        ("/v1/chat/completions", "max_tokens"),
+        ("/v1/chat/completions", "max_completion_tokens"),
+        ("/v1/responses", "max_output_tokens"),
+    ],
+)
+def test_request_larger_than_the_quota_is_400_naming_the_field(
+    upstream, start_gateway, path, field
+):
     engine, up = upstream
     app, server = start_gateway(_config(up.url, tokens_per_minute=100))
-    response = chat(server.url, KEY, max_tokens=200)
+    body = {"model": "m1", field: 200}
+    body |= (
+        {"input": "hi"}
+        if path == "/v1/responses"
+        else {"messages": [{"role": "user", "content": "hi"}]}
+    )
+    response = httpx.post(
+        server.url + path, json=body, headers={"authorization": f"Bearer {KEY}"}, timeout=10
+    )
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "tokens_exceed_quota"
-    assert response.json()["error"]["param"] == "max_tokens"
+    assert response.json()["error"]["param"] == field
+    assert field in response.json()["error"]["message"]
     assert engine.inference_requests == []
     assert admission_state(app, server) == IDLE
 
