@@ -19,6 +19,7 @@ import yaml
 
 from kvgate.cli import admin_listener_config, main, serve_with_admin
 from kvgate.hot_reload import ReloadableGateway
+from kvgate.sim import EngineOptions, SimFleet
 from tests.chain.helpers import chat, make_key, tenant
 from tests.conftest import gateway_config
 from tests.sdk_clients import sdk_client
@@ -119,6 +120,22 @@ def test_models_retrieve_answers_like_openai(gateway):
     assert missing.value.body["code"] == "model_not_found"
     assert missing.value.body["type"] == "invalid_request_error"
     assert [m.id for m in client.models.list()] == ["m1"]
+
+
+def test_models_say_the_context_length_that_fits_every_engine_serving_them(start_gateway):
+    """vLLM's model list carries `max_model_len`, `root` and `parent`; clients budget their
+    context with it. Two engines of one model with different context lengths: the smaller."""
+    long, short = (EngineOptions(profile="fast", max_model_len=n) for n in (32768, 8192))
+    with (
+        SimFleet.in_thread(engines=1, options=long) as a,
+        SimFleet.in_thread(engines=1, options=short) as b,
+    ):
+        _, server = start_gateway(gateway_config([*a.urls, *b.urls], auth="none"))
+        client = sdk_client(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        model = client.models.retrieve("sim-model")
+        assert model.model_extra == {"max_model_len": 8192, "root": "sim-model"}
+        [listed] = client.models.list().data
+        assert listed.model_extra == model.model_extra
 
 
 def test_models_require_key(upstream, start_gateway):

@@ -1,10 +1,11 @@
 """`GET /v1/models` and `GET /v1/models/{id}`, answered as OpenAI answers them.
 
 A model object is `{"id", "object": "model", "created", "owned_by"}`; `created` is 0 (kvgate
-does not know when an engine's model was made). An unknown id is 404 `model_not_found`, as
-OpenAI answers it. With `server.models_require_key: true` both routes need a valid key (401
-without, as inference does), and a tenant sees only the models its key may use (others are
-404, as OpenAI answers a model a key has no access to).
+does not know when an engine's model was made), and with what the engines serving it said of
+it in their own lists (`Fleet.model_card`: vLLM's `max_model_len`, `root`, `parent`). An
+unknown id is 404 `model_not_found`, as OpenAI answers it. With `server.models_require_key:
+true` both routes need a valid key (401 without, as inference does), and a tenant sees only
+the models its key may use (others are 404, as OpenAI answers a model a key has no access to).
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ def is_model_route(path: str) -> bool:
     )
 
 
-def _model(model_id: str) -> dict[str, object]:
-    return {"id": model_id, "object": "model", "created": 0, "owned_by": "kvgate"}
+def _model(model_id: str, fleet: Fleet) -> dict[str, object]:
+    card = {"id": model_id, "object": "model", "created": 0, "owned_by": "kvgate"}
+    return card | fleet.model_card(model_id)
 
 
 class ModelRoutes:
@@ -57,7 +59,7 @@ class ModelRoutes:
             if tenant is not None:  # admin keys see every model
                 models = [m for m in models if tenant.may_use(m)]
         if path == MODELS_PATH:
-            body = {"object": "list", "data": [_model(m) for m in models]}
+            body = {"object": "list", "data": [_model(m, self.fleet) for m in models]}
             await send_bytes(send, 200, orjson.dumps(body), JSON)
             return
         model_id = path[len(_MODEL_PREFIX) :]
@@ -67,4 +69,4 @@ class ModelRoutes:
                 param="model",
                 code="model_not_found",
             )
-        await send_bytes(send, 200, orjson.dumps(_model(model_id)), JSON)
+        await send_bytes(send, 200, orjson.dumps(_model(model_id, self.fleet)), JSON)

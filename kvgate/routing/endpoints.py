@@ -86,6 +86,9 @@ class Endpoint:
     labels: dict[str, str] = field(default_factory=dict)
     max_inflight: int | None = None
     discovered_models: frozenset[str] = frozenset()
+    # What the engine's `/v1/models` says of each model beyond its id that clients read
+    # (`MODEL_CARD_FIELDS`), by model.
+    model_cards: dict[str, dict[str, object]] = field(default_factory=dict)
     healthy: bool = True
     last_success: float = float("-inf")
     panic_routed: bool = False
@@ -354,9 +357,29 @@ class Fleet:
         """Models with at least one endpoint in rotation."""
         return sorted(m for m, eps in self._healthy_by_model.items() if eps)
 
+    def model_card(self, model: str) -> dict[str, object]:
+        """What the endpoints in rotation serving `model` say of it (`MODEL_CARD_FIELDS`):
+        the smallest `max_model_len` (a request must fit wherever it is sent), and `root`
+        and `parent` (the base of a LoRA adapter) as the first of them says."""
+        card: dict[str, object] = {}
+        for endpoint in self._healthy_by_model.get(model, ()):
+            said = endpoint.model_cards.get(model, {})
+            for key, value in said.items():
+                if key == "max_model_len" and isinstance(value, int):
+                    known = card.get(key)
+                    card[key] = value if not isinstance(known, int) else min(known, value)
+                else:
+                    card.setdefault(key, value)
+        return card
+
     def unready_pools(self) -> list[str]:
         return [p.name for p in self.pools if not p.ready]
 
 
 def _none_earlier(endpoint: Endpoint) -> int:
     return 0
+
+
+# The fields of an engine's model object that `GET /v1/models` passes on: vLLM's and SGLang's
+# context length, and the model a LoRA adapter (`parent`) or a served name (`root`) stands for.
+MODEL_CARD_FIELDS = ("max_model_len", "root", "parent")

@@ -13,7 +13,7 @@ import orjson
 
 from kvgate.background import OwnedTask
 from kvgate.config import HealthConfig
-from kvgate.routing.endpoints import Endpoint, Fleet
+from kvgate.routing.endpoints import MODEL_CARD_FIELDS, Endpoint, Fleet
 
 log = logging.getLogger("kvgate.health")
 
@@ -65,10 +65,13 @@ class HealthMonitor:
         changed = self.judge(endpoint, ok)
         if ok and discover:
             body = await self._get_ok(endpoint, "/v1/models")
-            models = _model_ids(body) if body is not None else None
-            if models is not None and models != endpoint.discovered_models:
-                endpoint.discovered_models = models
-                changed = True
+            cards = _model_cards(body) if body is not None else None
+            if cards is not None:
+                endpoint.model_cards = cards
+                models = frozenset(cards)
+                if models != endpoint.discovered_models:
+                    endpoint.discovered_models = models
+                    changed = True
         return changed
 
     def judge(self, endpoint: Endpoint, ok: bool, now: float | None = None) -> bool:
@@ -139,7 +142,9 @@ class HealthMonitor:
         await self._task.stop()
 
 
-def _model_ids(body: bytes) -> frozenset[str] | None:
+def _model_cards(body: bytes) -> dict[str, dict[str, object]] | None:
+    """The models of a `/v1/models` answer, each with the fields clients read
+    (`MODEL_CARD_FIELDS`); None when the answer is not a model list."""
     try:
         parsed = orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -147,4 +152,8 @@ def _model_ids(body: bytes) -> frozenset[str] | None:
     data = parsed.get("data") if isinstance(parsed, dict) else None
     if not isinstance(data, list):
         return None
-    return frozenset(m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str))
+    return {
+        m["id"]: {k: m[k] for k in MODEL_CARD_FIELDS if m.get(k) is not None}
+        for m in data
+        if isinstance(m, dict) and isinstance(m.get("id"), str)
+    }
