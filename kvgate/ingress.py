@@ -242,9 +242,12 @@ def parse_payload(route: str, body: bytes) -> tuple[dict[str, Any], str, bool]:
         _check_messages(payload)
         _check_tools(payload)
     elif route == "completions":
-        _check_carrier(payload, "prompt")
+        if payload.get("prompt") is not None or payload.get("prompt_embeds") is None:
+            _check_carrier(payload, "prompt")  # vLLM: `prompt_embeds` may stand for the prompt
     elif route == "responses":
         _check_response_input(payload)
+    elif "input" not in payload and "messages" in payload:
+        _check_messages(payload)  # vLLM's chat embeddings: `messages` in place of `input`
     else:
         _check_carrier(payload, "input")
     stream = _check_common(payload) if route in _STREAMING_ROUTES else False

@@ -4,7 +4,9 @@
     content     a string, or a non-empty array of typed parts (objects with a string `type`;
                 `text` parts carry a string `text`, `image_url` parts an object with a string
                 `url`, `refusal` parts a string `refusal`); other part types pass through for
-                the engine to judge (vLLM adds several)
+                the engine to judge (vLLM adds several), and so does a media part without a
+                `type` that carries one of vLLM's media keys (`image_url`, `video_url`, …:
+                vLLM takes the type from the key)
     null        content may be null or absent only on an assistant message with `tool_calls`
                 or `function_call`, and on a `function` message
     tool        a `tool` message needs a string `tool_call_id`
@@ -31,6 +33,17 @@ _PART_FIELDS: dict[str, tuple[str, type]] = {
 }
 
 
+# Keys from which vLLM infers the type of a content part sent without one.
+_TYPELESS_MEDIA_KEYS = (
+    "image_url",
+    "image_embeds",
+    "audio_embeds",
+    "audio_url",
+    "input_audio",
+    "video_url",
+)
+
+
 def _invalid(path: str, message: str, code: str = "invalid_type") -> InvalidRequest:
     return InvalidRequest(f"{path}: {message}", param=path, code=code)
 
@@ -48,6 +61,8 @@ def _check_part(part: Any, path: str) -> None:
     if not isinstance(part, dict):
         raise _invalid(path, "a content part must be an object")
     kind = part.get("type")
+    if kind is None and any(part.get(key) is not None for key in _TYPELESS_MEDIA_KEYS):
+        return  # a media part whose type vLLM takes from its key
     if not isinstance(kind, str):
         raise _invalid(f"{path}.type", "a content part needs a string 'type'")
     known = _PART_FIELDS.get(kind)

@@ -170,7 +170,13 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+# vLLM takes the type of a part sent without one from any of these keys.
+MEDIA_KEYS = ("image_url", "image_embeds", "audio_embeds", "audio_url", "input_audio", "video_url")
+
+
 def _part_ok(part: Any) -> bool:
+    if isinstance(part, dict) and part.get("type") is None:
+        return any(part.get(key) is not None for key in MEDIA_KEYS)
     if not isinstance(part, dict) or not isinstance(part.get("type"), str):
         return False
     required = {"text": str, "refusal": str, "image_url": dict, "input_audio": dict, "file": dict}
@@ -242,7 +248,16 @@ def reference_schema_ok(route: str, body: Any) -> bool:
             isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
         ):
             return False
-    elif not _prompt_ok(body.get("prompt" if route == "completions" else "input")):
+    elif route == "completions":
+        if body.get("prompt") is None and body.get("prompt_embeds") is not None:
+            pass  # vLLM: the embeddings stand for the prompt
+        elif not _prompt_ok(body.get("prompt")):
+            return False
+    elif "input" not in body and "messages" in body:  # vLLM's chat embeddings
+        messages = body["messages"]
+        if not isinstance(messages, list) or not messages or not all(map(_message_ok, messages)):
+            return False
+    elif not _prompt_ok(body.get("input")):
         return False
     if route == "embeddings":
         return True

@@ -122,6 +122,40 @@ def test_invalid_bodies_are_400_naming_the_field(upstream, gateway, path, body, 
 
 
 @pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        # vLLM's prompt embeddings stand for the prompt (its own tests send prompt=None).
+        ("/v1/completions", {"model": "m1", "prompt": None, "prompt_embeds": "AAAA"}),
+        ("/v1/completions", {"model": "m1", "prompt_embeds": ["AAAA", "BBBB"]}),
+        # vLLM's chat embeddings: messages in place of input.
+        ("/v1/embeddings", {"model": "m1", "messages": MSGS}),
+        # A media part without `type`: vLLM takes the type from its key.
+        (
+            CHAT_URL,
+            {
+                "model": "m1",
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"image_url": "http://example.com/a.png"},
+                            {"type": "text", "text": "describe"},
+                        ],
+                    }
+                ],
+            },
+        ),
+    ],
+)
+def test_vllm_extension_bodies_reach_the_engine_untouched(upstream, gateway, path, body):
+    engine, _ = upstream
+    _, server = gateway
+    response = httpx.post(server.url + path, json=body)
+    assert response.status_code == 200, response.text
+    assert engine.inference_requests[-1].body == body
+
+
+@pytest.mark.parametrize(
     ("path", "field", "value", "code"),
     [
         (CHAT_URL, "max_tokens", "9", "invalid_type"),
