@@ -17,7 +17,7 @@ import orjson
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from kvgate.admin_listener import is_admin_route, unknown_route
-from kvgate.asgi import JSON, Receive, Scope, Send, send_bytes, send_error
+from kvgate.asgi import JSON, Message, Receive, Scope, Send, send_bytes, send_error
 from kvgate.chain.admin import AdminRoutes
 from kvgate.chain.admission import AdmissionController, AdmissionStage
 from kvgate.chain.auth import AuthStage
@@ -211,7 +211,9 @@ class GatewayApp:
             route = INFERENCE_ROUTES.get(scope["path"])
             if route is not None:
                 await self._inference(route, scope, receive, send)
-            elif is_model_route(scope["path"]):
+                return
+            send = _with_request_id(send, request_id_from(scope["headers"]))
+            if is_model_route(scope["path"]):
                 await self.models(scope, send)
             elif not self.admin_on_public_port and is_admin_route(scope["path"]):
                 await send_error(send, unknown_route(scope))
@@ -395,3 +397,16 @@ class GatewayApp:
                 await send_bytes(send, 200, b'{"status":"ready"}', JSON)
         else:
             await send_bytes(send, 200, self.metrics.render(self.views), _PROMETHEUS)
+
+
+def _with_request_id(send: Send, request_id: str) -> Send:
+    """`send` with an `x-request-id` on the answer's head, as every inference answer has: the
+    client's when it is sane, else a fresh one."""
+    header = (REQUEST_ID, request_id.encode())
+
+    async def sending(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), header]}
+        await send(message)
+
+    return sending

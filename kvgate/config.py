@@ -229,8 +229,17 @@ class StateConfig(_Strict):
     @field_validator("url")
     @classmethod
     def _redis_url(cls, value: str | None) -> str | None:
-        if value is not None and not re.match(r"(rediss?|unix)://", value):
+        if value is None:
+            return None
+        if not re.match(r"(rediss?|unix)://", value):
             raise ValueError("must be a redis://, rediss:// or unix:// URL")
+        # Imported here: only a Redis state backend needs the client library at load.
+        from redis.asyncio import ConnectionPool
+
+        try:  # what the URL's query asks of a connection is checked now, without connecting
+            ConnectionPool.from_url(value).make_connection()
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"redis cannot use this URL: {error}") from None
         return value
 
 

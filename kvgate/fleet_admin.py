@@ -19,7 +19,6 @@ import logging
 import time
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import orjson
 
@@ -32,7 +31,7 @@ from kvgate.routing.prefix_index import PrefixIndex
 from kvgate.types import Headers
 from kvgate.upstream.breaker import BreakerState
 from kvgate.upstream.resilience import Resilience
-from kvgate.yaml_source import is_secret_name
+from kvgate.yaml_source import is_secret_name, without_credentials
 
 log = logging.getLogger("kvgate.admin")
 
@@ -117,7 +116,7 @@ class FleetAdminRoutes:
         return {
             "name": endpoint.name,
             "pool": endpoint.pool,
-            "url": _without_credentials(endpoint.url),
+            "url": without_credentials(endpoint.url),
             "engine": endpoint.engine,
             "models": sorted(endpoint.models),
             "state": _state(endpoint),
@@ -189,28 +188,5 @@ def _redacted(node: object, name: str) -> object:
     if isinstance(node, str):
         if node and is_secret_name(name):
             return REDACTED
-        return _without_credentials(node)
+        return without_credentials(node)
     return node
-
-
-def _without_credentials(text: str) -> str:
-    """`text` with the password and secret-like query parameters of a URL masked."""
-    if "://" not in text:
-        return text
-    try:
-        parts = urlsplit(text)
-        password = parts.password
-    except ValueError:
-        return REDACTED
-    if password is None and not parts.query:
-        return text
-    netloc = parts.netloc
-    if password is not None:
-        userinfo, _, host = netloc.rpartition("@")
-        user = userinfo.split(":", 1)[0]
-        netloc = f"{user}:{REDACTED}@{host}"
-    query = parts.query
-    if query:
-        pairs = parse_qsl(query, keep_blank_values=True)
-        query = urlencode([(k, REDACTED if is_secret_name(k) else v) for k, v in pairs], safe="*")
-    return urlunsplit(parts._replace(netloc=netloc, query=query))

@@ -10,7 +10,9 @@ copied, so requests begun before the reload, which finish on the old app, still 
 them. Everything of the endpoints and tenants that are gone stays with the old app and goes when
 it is shut down.
 
-With Redis state the quota buckets live in Redis and carry over by themselves.
+With Redis state the quota buckets live in Redis and carry over by themselves; the new store
+adds the old one's counters (deltas, resyncs, Redis calls and failures, quota fallbacks) to
+its own, so those metrics never reset on a reload.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import logging
 from kvgate.app import GatewayApp
 from kvgate.routing.endpoints import Fleet
 from kvgate.state.quotas import InMemoryQuotaStore
+from kvgate.state.redis_store import RedisStore
 
 log = logging.getLogger("kvgate")
 
@@ -58,6 +61,8 @@ def carry_over(old: GatewayApp, new: GatewayApp) -> None:
     old_quotas, new_quotas = old.store.quotas, new.store.quotas
     if isinstance(old_quotas, InMemoryQuotaStore) and isinstance(new_quotas, InMemoryQuotaStore):
         new_quotas.adopt(old_quotas, tenants)
+    if isinstance(old.store, RedisStore) and isinstance(new.store, RedisStore):
+        new.store.adopt_counts(old.store)
     # One count per tenant for both apps: the old app's requests still hold their places.
     active = old.admission.active
     for gone in [t for t, n in active.items() if not n and t not in tenants]:

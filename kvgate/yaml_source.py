@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import yaml
 
@@ -18,6 +19,8 @@ _SECRET_WORDS = frozenset(
     {"key", "secret", "password", "passwd", "token", "sha256", "credential", "credentials"}
 )
 _MAX_SHOWN = 60
+# What stands for a secret in what is shown.
+_MASK = "***"
 
 
 class YamlSourceError(Exception):
@@ -61,14 +64,37 @@ def is_secret_name(name: str) -> bool:
 
 
 def shown_value(loc: Sequence[str | int], value: Any) -> str:
-    """The offending value for an error message: short, and masked under a key that names a
+    """The offending value for an error message: short, masked under a key that names a
     secret unless it is a number or a boolean (never a credential; `first_token: -1` is a
-    timeout)."""
+    timeout), and a URL's password and secret query parameters masked."""
     names = [p for p in loc if isinstance(p, str)]
     if names and is_secret_name(names[-1]) and not isinstance(value, int | float):
-        return "'***'"
-    text = repr(value)
+        return repr(_MASK)
+    text = repr(without_credentials(value) if isinstance(value, str) else value)
     return text if len(text) <= _MAX_SHOWN else text[: _MAX_SHOWN - 3] + "..."
+
+
+def without_credentials(text: str) -> str:
+    """`text` with the password and secret-like query parameters of a URL masked."""
+    if "://" not in text:
+        return text
+    try:
+        parts = urlsplit(text)
+        password = parts.password
+    except ValueError:
+        return _MASK
+    if password is None and not parts.query:
+        return text
+    netloc = parts.netloc
+    if password is not None:
+        userinfo, _, host = netloc.rpartition("@")
+        user = userinfo.split(":", 1)[0]
+        netloc = f"{user}:{_MASK}@{host}"
+    query = parts.query
+    if query:
+        pairs = parse_qsl(query, keep_blank_values=True)
+        query = urlencode([(k, _MASK if is_secret_name(k) else v) for k, v in pairs], safe="*")
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 def parse_yaml(text: str) -> YamlDocument:

@@ -110,6 +110,30 @@ def test_every_problem_is_reported_with_its_key_path(tmp_path, monkeypatch):
     assert any(p.startswith("line 10, column 5: pools[1].endpoints:") for p in problems)
 
 
+@pytest.mark.parametrize(
+    "query", ["ssl_keyfile=x", "socket_timeout=soon", "health_check_interval=often"]
+)
+def test_a_redis_url_the_client_cannot_use_is_a_config_problem(tmp_path, query):
+    """Found at load (so `check-config` finds it), not as a crash when the gateway starts; the
+    URL's password is not shown."""
+    problems = _problems(
+        tmp_path,
+        f"""\
+        state:
+          backend: redis
+          url: redis://:hunter2@127.0.0.1:6379/0?{query}
+        pools:
+          - name: a
+            endpoints:
+              - url: http://127.0.0.1:9
+        """,
+    )
+    assert any(
+        p.startswith("line 3, column 3: state.url: redis cannot use this URL") for p in problems
+    )
+    assert not any("hunter2" in p for p in problems)
+
+
 def test_secret_values_are_masked_in_problems(tmp_path):
     problems = _problems(
         tmp_path,

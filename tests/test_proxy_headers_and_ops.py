@@ -75,6 +75,21 @@ def test_client_request_id_is_kept_and_returned(upstream, gateway):
     assert response.headers["x-kvgate-endpoint"] == "default-0"
 
 
+def test_every_answer_carries_a_request_id_and_engine_errors_name_the_engine(upstream, gateway):
+    engine, _ = upstream
+    _, server = gateway
+    for method, path in (("GET", "/v1/models"), ("GET", "/v1/nope"), ("GET", "/healthz")):
+        answer = httpx.request(method, server.url + path, headers={"x-request-id": "ops-7"})
+        assert answer.headers["x-request-id"] == "ops-7", path
+        assert len(httpx.request(method, server.url + path).headers["x-request-id"]) >= 16
+    engine.script.status = 500
+    failed = httpx.post(server.url + "/v1/chat/completions", json=CHAT)
+    assert failed.status_code == 500
+    assert failed.headers["x-kvgate-endpoint"] == "default-0"
+    refused = httpx.post(server.url + "/v1/chat/completions", json={"model": "m1"})
+    assert refused.status_code == 400 and "x-kvgate-endpoint" not in refused.headers
+
+
 def test_no_authorization_upstream_without_endpoint_key(upstream, gateway):
     engine, _ = upstream
     _, server = gateway

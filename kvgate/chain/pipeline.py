@@ -27,7 +27,7 @@ from typing import Protocol
 
 from kvgate.asgi import ON_DISCONNECT, Receive, Scope, Send, send_error
 from kvgate.errors import GatewayBug, KvgateError, drop_tracebacks
-from kvgate.request_options import REQUEST_ID
+from kvgate.request_options import ENDPOINT, REQUEST_ID
 from kvgate.types import Forward, RequestContext, RequestTrace, Stage
 
 log = logging.getLogger("kvgate.chain")
@@ -155,7 +155,10 @@ async def _answer_error(ctx: RequestContext, send: Send, error: KvgateError) -> 
         await send({"type": "http.response.body", "body": error.to_sse(), "more_body": False})
         return
     ctx.status = error.status
-    await send_error(send, error, [(REQUEST_ID, ctx.request_id.encode())])
+    headers = [(REQUEST_ID, ctx.request_id.encode())]
+    if ctx.attempts and ctx.endpoint is not None:  # the engine that answered, or failed
+        headers.append((ENDPOINT, ctx.endpoint.name.encode()))
+    await send_error(send, error, headers)
 
 
 async def _watch_disconnect(

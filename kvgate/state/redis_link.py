@@ -124,8 +124,12 @@ class RedisLink:
         max_connections: int,
         keep_idle: int,
         blocking_read: float = 0.0,
+        purpose: str = "redis calls",
     ) -> None:
         self.timeout = timeout
+        # What the link is for, in its log lines (a process has two links; each logs its own
+        # loss and recovery).
+        self.purpose = purpose
         self.pool = IdleClosingPool.from_url(
             url,
             keep_idle=keep_idle,
@@ -161,12 +165,16 @@ class RedisLink:
             self.stats.observe(self.breaker.clock() - started)
             if self.breaker.failure(started):
                 self.stats.breaker_opened += 1
-                log.warning("redis unreachable (%s); serving on local state", type(exc).__name__)
+                log.warning(
+                    "redis unreachable for %s (%s); serving on local state",
+                    self.purpose,
+                    type(exc).__name__,
+                )
             raise RedisUnavailable(str(exc) or type(exc).__name__) from None
         _reraise_cancellation()
         self.stats.observe(self.breaker.clock() - started)
         if self.breaker.success():
-            log.warning("redis reachable again; resyncing shared state")
+            log.warning("redis reachable again for %s; resyncing shared state", self.purpose)
             if self.on_recovered is not None:
                 self.on_recovered()
         return result

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -90,6 +91,7 @@ class RedisStore:
             settings.op_timeout,
             max_connections=settings.max_connections,
             keep_idle=_KEEP_IDLE,
+            purpose="quotas and shared-state writes",
         )
         # Only the read loop uses it, one blocking read at a time.
         self.reader = RedisLink(
@@ -98,6 +100,7 @@ class RedisStore:
             max_connections=1,
             keep_idle=1,
             blocking_read=settings.read_block,
+            purpose="reading peers' shared state",
         )
         self.link.on_recovered = self._schedule_resync
         self.reader.on_recovered = self._schedule_resync
@@ -125,6 +128,22 @@ class RedisStore:
 
     def _key(self, *parts: str) -> str:
         return ":".join((self.settings.prefix, *parts))
+
+    def adopt_counts(self, old: RedisStore) -> None:
+        """Add `old`'s counters (deltas, resyncs, snapshots, the Redis link's calls, failures
+        and call durations, quota fallbacks) to this store's: a reload replaces the store,
+        and the metrics read from it are counters, which must not reset."""
+        for mine, theirs in (
+            (self.stats, old.stats),
+            (self.link.stats, old.link.stats),
+            (self.quotas.stats, old.quotas.stats),
+        ):
+            for name in (f.name for f in dataclasses.fields(mine)):
+                value, earlier = getattr(mine, name), getattr(theirs, name)
+                if isinstance(value, list):
+                    setattr(mine, name, [a + b for a, b in zip(value, earlier, strict=True)])
+                else:
+                    setattr(mine, name, value + earlier)
 
     def share(
         self, topic: str, apply: ApplyDelta, snapshot: TakeSnapshot, restore: ApplyDelta

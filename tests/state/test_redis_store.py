@@ -141,6 +141,32 @@ async def test_losing_redis_never_blocks_and_recovery_resyncs(redis_server):
             await store.stop()
 
 
+async def test_the_store_a_reload_makes_carries_the_old_ones_counts(redis_server):
+    """A reload replaces the store; the counters read from it must not reset."""
+    old = _store(redis_server.url, SetView(), "t5")
+    await old.start()
+    try:
+        for i in range(3):
+            old.publish("set", b"%d" % i)
+        await _eventually(lambda: old.stats.published == 3)
+    finally:
+        await old.stop()
+    new = _store(redis_server.url, SetView(), "t5")
+    await new.start()
+    try:
+        await _eventually(lambda: new.stats.resyncs >= 1)
+        before = (new.stats.resyncs, new.link.stats.calls, list(new.link.stats.durations))
+        new.adopt_counts(old)
+        assert new.stats.published == 3
+        assert new.stats.resyncs == before[0] + old.stats.resyncs
+        assert new.link.stats.calls == before[1] + old.link.stats.calls > before[1]
+        assert new.link.stats.durations == [
+            a + b for a, b in zip(before[2], old.link.stats.durations, strict=True)
+        ]
+    finally:
+        await new.stop()
+
+
 async def test_memory_store_is_a_single_replica():
     store = MemoryStore()
     await store.start()
