@@ -74,6 +74,21 @@ class KvgateError(Exception):
     def to_sse(self) -> bytes:
         return b"data: " + self.to_body() + b"\n\n"
 
+    def to_stream_event(self, route: str, relayed_events: int) -> bytes:
+        """The error as the last event of a stream of `route` that relayed `relayed_events`
+        events: a Responses stream's `error` event in OpenAI's shape (its `sequence_number`
+        the next one, as engines number a stream's events from 0), else `to_sse()`."""
+        if route != "responses":
+            return self.to_sse()
+        event = {
+            "type": "error",
+            "code": self.wire_code(),
+            "message": self.message,
+            "param": self.param,
+            "sequence_number": relayed_events,
+        }
+        return b"event: error\ndata: " + orjson.dumps(event) + b"\n\n"
+
     def headers(self) -> list[tuple[bytes, bytes]]:
         if self.retry_after is None:
             return []

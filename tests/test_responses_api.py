@@ -64,6 +64,25 @@ def test_streamed_responses_with_the_sdk(client):
     assert [e.sequence_number for e in events] == list(range(len(events)))
 
 
+def test_a_responses_stream_that_breaks_ends_with_the_responses_error_event(start_gateway):
+    """OpenAI ends a Responses stream that fails with an `error` event (`type`, `code`,
+    `message`, `param`, `sequence_number`), not a chat stream's `{"error": ...}`."""
+    options = EngineOptions(profile="fast", fault={"mode": "crash_after_tokens", "tokens": 3})
+    with SimFleet.in_thread(engines=1, options=options) as broken:
+        _, server = start_gateway(gateway_config(list(broken.urls), auth="none"))
+        client = sdk_client(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        events = list(
+            client.responses.create(
+                model="sim-model", input="Tell me a story", max_output_tokens=20, stream=True
+            )
+        )
+    last = events[-1]
+    assert last.type == "error"
+    assert last.code == "upstream_connection_lost" and last.message
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [e.type for e in events].count("response.output_text.delta") == 3
+
+
 def test_responses_is_404_where_the_pool_does_not_serve_it(upstream, start_gateway):
     engine, engine_server = upstream
     _, server = start_gateway(

@@ -152,7 +152,8 @@ async def _answer_error(ctx: RequestContext, send: Send, error: KvgateError) -> 
         return
     ctx.responded = True
     if ctx.committed:
-        await send({"type": "http.response.body", "body": error.to_sse(), "more_body": False})
+        last = error.to_stream_event(ctx.route, ctx.relayed_events)
+        await send({"type": "http.response.body", "body": last, "more_body": False})
         return
     ctx.status = error.status
     headers = [(REQUEST_ID, ctx.request_id.encode())]

@@ -8,6 +8,7 @@ the fault injector first; everything else is never faulted.
 """
 
 import asyncio
+import functools
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -304,8 +305,15 @@ class EngineApp:
     async def _deliver(
         self, generation: Generation, send: Send, watch: DisconnectWatch | None, fault: Fault | None
     ) -> None:
-        if generation.kind == RESPONSE:  # faults during the answer do not apply here
-            await deliver_response(generation, send, now_seconds())
+        if generation.kind == RESPONSE:  # of the faults during the answer, only the crash
+            crash_after = fault.tokens if fault and fault.mode == "crash_after_tokens" else None
+            await deliver_response(
+                generation,
+                send,
+                now_seconds(),
+                crash_after,
+                functools.partial(self._crash, generation, send),
+            )
         elif generation.stream:
             await self._stream(generation, send, watch, fault)
         else:

@@ -20,6 +20,7 @@ There is no `[DONE]`: the stream ends after that last event, as OpenAI's does.
 """
 
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -203,9 +204,17 @@ _JSON = [(b"content-type", b"application/json")]
 _SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 
 
-async def deliver_response(generation: Generation, send: Send, created: int) -> None:
+async def deliver_response(
+    generation: Generation,
+    send: Send,
+    created: int,
+    crash_after: int | None = None,
+    crash: Callable[[], None] = lambda: None,
+) -> None:
     """Answer a submitted Responses request, whole or streamed as it generates. A request
-    aborted mid-way (client gone, engine closing) ends the stream without its last event."""
+    aborted mid-way (client gone, engine closing) ends the stream without its last event; a
+    stream with `crash_after` tokens relayed calls `crash` (the `crash_after_tokens` fault:
+    the connection is cut)."""
     request = generation.request
     if not generation.stream:
         while not request.finished:
@@ -222,8 +231,14 @@ async def deliver_response(generation: Generation, send: Send, created: int) -> 
     sent = 0
     while True:
         new_tokens = request.output_tokens[sent:]
+        if crash_after is not None:
+            new_tokens = new_tokens[: max(0, crash_after - sent)]
         sent += len(new_tokens)
         chunk = b"".join(events.delta(token) for token in new_tokens)
+        if crash_after is not None and sent >= crash_after:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            crash()
+            return
         if request.finished:
             if request.finish_reason != ABORTED:
                 chunk += events.closing()

@@ -314,7 +314,7 @@ class AttemptRelay:
                     ctx.outcome = "upstream_error_event"
                     event_error = _event_error(scanner.error, request.prompt_param)
                     record.failed(judge(event_error))
-                    last = event_error.to_sse()
+                    last = event_error.to_stream_event(ctx.route, ctx.relayed_events)
                 ctx.responded = True
                 await send({"type": "http.response.body", "body": last, "more_body": False})
                 return

@@ -231,7 +231,8 @@ class Forwarder:
             observer.resumed(pool, "failed", transcript.overhead_tokens if transcript else 0)
         ctx.outcome = str(error.code)
         ctx.responded = True
-        await send({"type": "http.response.body", "body": error.to_sse(), "more_body": False})
+        last = error.to_stream_event(ctx.route, ctx.relayed_events)
+        await send({"type": "http.response.body", "body": last, "more_body": False})
 
     async def _continue(
         self,
