@@ -7,6 +7,7 @@ import time
 
 import httpx
 import orjson
+import pytest
 
 from kvgate.ingress import request_context
 from kvgate.routing.cache_feedback import CacheFeedback
@@ -65,10 +66,22 @@ def test_a_null_stream_options_is_replaced_not_duplicated(upstream, start_gatewa
     assert received.raw.count(b'"stream_options"') == 1
 
 
-def test_a_client_with_other_stream_options_keeps_them(upstream, start_gateway):
+@pytest.mark.parametrize(
+    ("options", "forwarded"),
+    [
+        (
+            {"include_usage": False, "continuous_usage_stats": False},
+            {"include_usage": True, "continuous_usage_stats": False},
+        ),
+        # vLLM and SGLang send usage on every chunk when both flags are on and none when only
+        # `continuous_usage_stats` is: the gateway must not ask then.
+        ({"continuous_usage_stats": True}, {"continuous_usage_stats": True}),
+    ],
+    ids=["asked-for", "continuous-stats-alone"],
+)
+def test_a_client_with_other_stream_options_keeps_them(upstream, start_gateway, options, forwarded):
     engine, up = upstream
     _app, server = start_gateway(gateway_config([up.url]))
-    options = {"include_usage": False, "continuous_usage_stats": False}
     reply = httpx.post(
         server.url + "/v1/chat/completions",
         json={**CHAT, "stream_options": options},
@@ -76,26 +89,8 @@ def test_a_client_with_other_stream_options_keeps_them(upstream, start_gateway):
     )
     assert reply.status_code == 200
     (received,) = engine.inference_requests
-    assert received.body["stream_options"] == {**options, "include_usage": True}
+    assert received.body["stream_options"] == forwarded
     assert not any(b'"usage"' in e for e in _events(reply.content))
-
-
-def test_continuous_usage_stats_without_include_usage_is_not_turned_into_usage_on_every_chunk(
-    upstream, start_gateway
-):
-    """vLLM and SGLang send usage on every chunk when both flags are on and none when only
-    `continuous_usage_stats` is: the gateway must not ask."""
-    engine, up = upstream
-    _app, server = start_gateway(gateway_config([up.url]))
-    options = {"continuous_usage_stats": True}
-    reply = httpx.post(
-        server.url + "/v1/chat/completions",
-        json={**CHAT, "stream_options": options},
-        timeout=10,
-    )
-    assert reply.status_code == 200
-    (received,) = engine.inference_requests
-    assert received.body["stream_options"] == options
 
 
 def _feedback(capacity: int = 1000) -> tuple[PrefixIndex, CacheFeedback, PrefixHasher]:
