@@ -231,6 +231,15 @@ class GatewayApp:
                 "is served as the anonymous tenant. Add tenants with API keys, or write "
                 "'auth: none' to make an open gateway explicit."
             )
+        salted = salted_precise_tenants(self.config)
+        if salted:
+            log.warning(
+                "precise routing (kv_events) applies only to requests without a tenant cache "
+                "salt: tenants %s use cache_isolation: tenant, so their requests are routed by "
+                "the approximate index (set cache_isolation: shared for tenants that may share "
+                "cached prefixes; docs/routing.md)",
+                ", ".join(salted),
+            )
         try:
             async with asyncio.timeout(_STARTUP_PROBE_SECONDS):
                 await asyncio.gather(self.health.check_once(), self.telemetry.scrape_once())
@@ -397,6 +406,18 @@ class GatewayApp:
                 await send_bytes(send, 200, b'{"status":"ready"}', JSON)
         else:
             await send_bytes(send, 200, self.metrics.render(self.views), _PROMETHEUS)
+
+
+def salted_precise_tenants(config: Config) -> list[str]:
+    """Tenants whose requests carry a cache salt when some pool routes on KV events: the
+    events carry token ids, not salts, so those requests cannot be routed precisely."""
+    if config.auth is None or not any(
+        pool.kv_events_of(endpoint) is not None
+        for pool in config.pools
+        for endpoint in pool.endpoints
+    ):
+        return []
+    return [t.name for t in config.auth.tenants if t.cache_isolation == "tenant"]
 
 
 def _with_request_id(send: Send, request_id: str) -> Send:

@@ -29,6 +29,21 @@ if TYPE_CHECKING:
     from kvgate.hot_reload import ReloadableGateway
 
 
+def _port(text: str) -> int:
+    """A TCP port, 0 (any free one) to 65535, as `server.port` in the config."""
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port (0 to 65535)")
+    return port
+
+
+def _at_least_one(text: str) -> int:
+    count = int(text)
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 (got {count})")
+    return count
+
+
 def _loaded(path: Path) -> tuple[Config, dict[str, RoutingPolicy]] | None:
     """The config file and its pools' routing policies, or None after printing every problem
     (config and policies alike)."""
@@ -270,13 +285,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--port",
-        type=int,
+        type=_port,
         default=os.environ.get("KVGATE_PORT") or None,
         help="listen port (default: $KVGATE_PORT, else server.port from config)",
     )
     serve.add_argument(
         "--workers",
-        type=int,
+        type=_at_least_one,
         default=1,
         help="worker processes, each a full replica (needs state.backend redis)",
     )
@@ -296,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--port",
-        type=int,
+        type=_port,
         default=os.environ.get("KVGATE_PORT") or "8080",
         help="listen port (default: $KVGATE_PORT, else 8080)",
     )

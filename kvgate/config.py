@@ -54,7 +54,7 @@ EngineKind = Literal["vllm", "sglang", "openai"]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 # An idle keep-alive connection is closed after this long. It must outlast the idle expiry of
@@ -137,6 +137,24 @@ class EndpointConfig(_Strict):
     max_inflight: int | None = Field(None, gt=0)
     # Where the engine publishes its KV-cache events (precise routing; docs/routing.md).
     kv_events: EndpointKvEventsConfig | None = None
+
+    @field_validator("labels")
+    @classmethod
+    def _cost_label(cls, value: dict[str, str]) -> dict[str, str]:
+        """`cost` is read as a number by the `endpoint_cost` scorer: one it cannot read would
+        silently count as the default."""
+        cost = value.get("cost")
+        if cost is not None:
+            try:
+                number = float(cost)
+            except ValueError:
+                number = float("nan")
+            if not 0 < number < float("inf"):
+                raise ValueError(
+                    "'cost' must be a positive number (the endpoint_cost scorer divides by it; "
+                    "for an engine that costs next to nothing use a small one, e.g. 0.001)"
+                )
+        return value
 
     @field_validator("url")
     @classmethod
@@ -372,12 +390,34 @@ def _describe(error: Any, document: YamlDocument | None) -> str:
     return f"{where}: {message}"
 
 
+def _event_socket_problems(
+    pool: PoolConfig, endpoint: EndpointConfig, where: str, seen: dict[str, str]
+) -> list[str]:
+    """An endpoint's KV-event sockets must be ports, and no two engines share one (one
+    engine's events would be taken for another's)."""
+    events = pool.kv_events_of(endpoint)
+    if events is None:
+        return []
+    problems = []
+    for url in (events.url, events.replay_url):
+        if url is not None and int(url.rsplit(":", 1)[1]) > 65535:
+            problems.append(f"{where}: its KV-event socket {url} is past port 65535")
+    if events.url in seen:
+        problems.append(
+            f"{where}: KV events at {events.url} are also {seen[events.url]}'s (one engine's "
+            "events would be taken for another's)"
+        )
+    seen[events.url] = where
+    return problems
+
+
 def _cross_check(config: Config) -> list[str]:
     problems: list[str] = []
     if config.state.backend == "redis" and not config.state.url:
         problems.append("state.url: required when state.backend is 'redis'")
     seen_pools: set[str] = set()
     seen_urls: dict[str, str] = {}
+    seen_event_urls: dict[str, str] = {}
     for i, pool in enumerate(config.pools):
         if pool.name in seen_pools:
             problems.append(f"pools[{i}].name: duplicate pool name '{pool.name}'")
@@ -393,6 +433,7 @@ def _cross_check(config: Config) -> list[str]:
                 first = seen_urls[endpoint.url]
                 problems.append(f"{where}: duplicate endpoint, already in {first}")
             seen_urls[endpoint.url] = where
+            problems.extend(_event_socket_problems(pool, endpoint, where, seen_event_urls))
         events = any(pool.kv_events_of(e) is not None for e in pool.endpoints)
         if events and pool.tokenizer.kind == "none":
             problems.append(

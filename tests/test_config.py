@@ -134,6 +134,32 @@ def test_a_redis_url_the_client_cannot_use_is_a_config_problem(tmp_path, query):
     assert not any("hunter2" in p for p in problems)
 
 
+@pytest.mark.parametrize("cost", ["0", "-1", "cheap", "nan", "inf"])
+def test_a_cost_label_the_cost_scorer_cannot_use_is_a_config_problem(cost):
+    endpoint = {"url": "http://e:1", "labels": {"cost": cost}}
+    with pytest.raises(ConfigError) as caught:
+        parse_config({"pools": [{"name": "a", "endpoints": [endpoint]}]})
+    (problem,) = caught.value.problems
+    assert problem.startswith("pools[0].endpoints[0].labels: 'cost' must be a positive number")
+
+
+def test_kv_event_sockets_past_65535_or_shared_by_two_engines_are_config_problems():
+    sim = {"kind": "sim"}
+    past = {"name": "a", "kv_events": {"port_offset": 60000}, "tokenizer": sim}
+    past["endpoints"] = [{"url": "http://h:17100"}]
+    shared = {"name": "b", "tokenizer": sim}
+    shared["endpoints"] = [
+        {"url": f"http://h:{port}", "kv_events": {"url": "tcp://h:5557"}} for port in (1, 2)
+    ]
+    with pytest.raises(ConfigError) as caught:
+        parse_config({"pools": [past, shared]})
+    assert caught.value.problems == [
+        "pools[0].endpoints[0].url: its KV-event socket tcp://h:77100 is past port 65535",
+        "pools[1].endpoints[1].url: KV events at tcp://h:5557 are also "
+        "pools[1].endpoints[0].url's (one engine's events would be taken for another's)",
+    ]
+
+
 def test_secret_values_are_masked_in_problems(tmp_path):
     problems = _problems(
         tmp_path,

@@ -21,7 +21,7 @@ _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class KeyConfig(_Strict):
@@ -159,7 +159,9 @@ class RuleAction(_Strict):
     deadline: float | None = Field(None, gt=0)
     residency: list[str] | None = None
 
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False
+    )
 
 
 class RuleConfig(_Strict):

@@ -22,7 +22,7 @@ from kvgate.types import RequestContext
 class NoParams(BaseModel):
     """Parameters of a plugin that takes none (unknown keys are errors)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class Filter(Protocol):

@@ -18,6 +18,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from kvgate.chain.settings import LatencyClass
 from kvgate.globs import compile_globs
 from kvgate.routing.filters import NotSaturated
 from kvgate.routing.plugins import (
@@ -68,7 +69,7 @@ class PolicyError(Exception):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class PluginSpec(_Strict):
@@ -93,8 +94,9 @@ class FallbackSpec(_Strict):
 
 class MatchSpec(_Strict):
     model: str | None = None
+    # Tiers are the config's (checked against it when the config loads its policies).
     tier: list[str] | None = None
-    latency_class: list[str] | None = None
+    latency_class: list[LatencyClass] | None = None
     headers: dict[str, str] = Field(default_factory=dict)
 
 
@@ -194,6 +196,11 @@ class RoutingPolicy:
     @property
     def uses_prefix(self) -> bool:
         return self.default.uses_prefix or any(r.profile.uses_prefix for r in self.rules)
+
+    @property
+    def tiers(self) -> set[str]:
+        """Every tier the policy's rules match (to cross-check against the config)."""
+        return {tier for rule in self.rules for tier in rule.match.tier or ()}
 
     @property
     def pools(self) -> set[str]:

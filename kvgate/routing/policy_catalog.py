@@ -15,6 +15,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from kvgate.chain.settings import DEFAULT_TIERS
 from kvgate.config import Config, ConfigError
 from kvgate.routing.policy import PolicyError, RoutingPolicy, build_policy, load_policy
 from kvgate.yaml_source import YamlSourceError, parse_yaml
@@ -92,6 +93,7 @@ def load_policies(config: Config) -> dict[str, RoutingPolicy]:
     policies: dict[str, RoutingPolicy] = {}
     problems: list[str] = []
     pool_names = {pool.name for pool in config.pools}
+    tier_names = {*DEFAULT_TIERS, *config.tiers}
     for i, pool in enumerate(config.pools):
         try:
             policy = resolve_policy(pool.policy, config.folder)
@@ -103,6 +105,12 @@ def load_policies(config: Config) -> dict[str, RoutingPolicy]:
             problems.append(
                 f"pools[{i}].policy: {pool.policy}: names pools the config does not have: "
                 + ", ".join(unknown)
+            )
+        unknown = sorted(policy.tiers - tier_names)
+        if unknown:
+            problems.append(
+                f"pools[{i}].policy: {pool.policy}: a rule matches tiers the config does not "
+                "have (a rule that can never match): " + ", ".join(unknown)
             )
         policies[pool.name] = policy
     if problems:

@@ -129,7 +129,10 @@ class PolicyPicker:
 
     def fallback_model(self, ctx: RequestContext) -> str | None:
         """The policy's smaller model when every endpoint this request could use is
-        saturated (its pools, then its fallback pool), else None."""
+        saturated (its pools, then its fallback pool), else None. Not when there is no such
+        endpoint at all (drained, unhealthy, or kept out by residency and the other filters):
+        saturation is what the fallback answers, and the request then gets the 503 that
+        says why, for the model it asked for."""
         profile, _ = self.policy.profile_for(ctx)
         if profile.fallback_model is None:
             return None
@@ -137,12 +140,14 @@ class PolicyPicker:
         if profile.fallback_pool is not None:
             pools.append((profile.fallback_pool,))
         now = time.monotonic()
+        usable = False
         for names in pools:
             endpoints = self.fleet.serving(ctx.model, pools=names)
             loads = _filtered(ctx, profile.plain_filters, [EndpointLoad(e, now) for e in endpoints])
+            usable = usable or bool(loads)
             if _filtered(ctx, profile.saturation_filters, loads):
                 return None
-        return profile.fallback_model
+        return profile.fallback_model if usable else None
 
     def _choose(
         self,

@@ -14,7 +14,7 @@ ExplainMode = Literal["admin", "always", "never"]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class PrefixIndexConfig(_Strict):

@@ -22,7 +22,7 @@ from .options import (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the `sim` command's options on `parser`; its --help shows every default."""
     parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
-    parser.add_argument("--engines", type=int, default=1, help="number of engines")
+    parser.add_argument("--engines", type=_engines, default=1, help="number of engines")
     parser.add_argument(
         "--host",
         default=HOST,
@@ -159,3 +159,10 @@ async def _serve(engines: int, base_port: int, host: str, options: EngineOptions
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(signum)
     return 0
+
+
+def _engines(text: str) -> int:
+    count = int(text)
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 (got {count})")
+    return count

@@ -16,7 +16,8 @@ import httpx
 import pytest
 import zmq.asyncio
 
-from kvgate.app import GatewayApp
+from kvgate.app import GatewayApp, salted_precise_tenants
+from kvgate.config import parse_config
 from kvgate.sim import EngineOptions, SimFleet
 from tests.conftest import gateway_config
 from tests.metrics_text import sample_value
@@ -247,3 +248,21 @@ def test_an_endpoint_back_from_an_outage_holds_nothing_in_the_precise_index(
     victim.clear_fault()
     wait_for(lambda: endpoint.healthy)
     assert precise.index.blocks(name) == 0
+
+
+def test_tenants_whose_requests_are_salted_are_named_when_pools_route_on_kv_events():
+    """Their requests carry a cache salt the events cannot show: the gateway warns at start
+    that precise routing does not apply to them."""
+    pool = {"name": "p", "tokenizer": {"kind": "sim"}, "endpoints": [{"url": "http://e:1"}]}
+    tenants = [
+        {"name": "isolated", "keys": []},
+        {"name": "sharing", "keys": [], "cache_isolation": "shared"},
+    ]
+    events = {**pool, "kv_events": {"port_offset": 1000}}
+    assert salted_precise_tenants(
+        parse_config({"pools": [events], "auth": {"tenants": tenants}})
+    ) == ["isolated"]
+    assert (
+        salted_precise_tenants(parse_config({"pools": [pool], "auth": {"tenants": tenants}})) == []
+    )
+    assert salted_precise_tenants(parse_config({"pools": [events]})) == []

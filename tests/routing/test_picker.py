@@ -133,6 +133,18 @@ async def test_model_fallback_is_settled_before_admission_and_picking_follows():
     a.telemetry = telemetry(waiting=0)
     await ModelFallbackStage(router)(unsaturated)
     assert unsaturated.model == "m"
+    # No endpoint to use at all is not saturation: the request keeps its model (and gets
+    # the 503 that says why), whether the endpoints are drained or kept out by residency.
+    a.telemetry = telemetry(waiting=9)
+    a.drained = True
+    drained = ctx()
+    await ModelFallbackStage(router)(drained)
+    assert drained.model == "m"
+    a.drained = False
+    elsewhere = ctx()
+    elsewhere.allowed_jurisdictions = frozenset({"cn"})
+    await ModelFallbackStage(router)(elsewhere)
+    assert elsewhere.model == "m"
 
 
 def test_jurisdiction_filter_applies_residency():

@@ -63,6 +63,19 @@ BAD = [
     ({"rules": [{"matc": {}}]}, "rules[0].matc: unknown key"),
     ({"fallback": {"pool": "a", "model": "b"}}, "fallback: give exactly one of"),
     ([1, 2], "(top level): must be a mapping"),
+    # A weight that is not a finite number would make every request fail.
+    (
+        {"scorers": [{"type": "kv_usage", "weight": float("nan")}]},
+        "scorers[0].weight: Input should be a finite number",
+    ),
+    (
+        {"scorers": [{"type": "kv_usage", "weight": float("inf")}]},
+        "scorers[0].weight: Input should be a finite number",
+    ),
+    (
+        {"rules": [{"match": {"latency_class": ["urgent"]}, "objective": "cost"}]},
+        "rules[0].match.latency_class[0]: Input should be 'interactive', 'standard' or 'batch'",
+    ),
 ]
 
 
@@ -129,6 +142,18 @@ def test_policy_naming_a_pool_the_config_lacks_is_an_error(tmp_path):
     pools = [{"name": "a", "policy": str(source), "endpoints": [{"url": "http://e:1"}]}]
     with pytest.raises(ConfigError, match="names pools the config does not have: gpu-big"):
         load_policies(parse_config({"pools": pools}))
+
+
+def test_policy_rule_matching_a_tier_the_config_lacks_is_an_error(tmp_path):
+    source = tmp_path / "tiers.yaml"
+    source.write_text(
+        yaml.safe_dump({"rules": [{"match": {"tier": ["gold", "platinum"]}, "objective": "cost"}]})
+    )
+    pools = [{"name": "a", "policy": str(source), "endpoints": [{"url": "http://e:1"}]}]
+    with pytest.raises(ConfigError, match=r"matches tiers the config does not have.*: platinum$"):
+        load_policies(parse_config({"pools": pools}))
+    tiers = {"platinum": {"priority": 0, "weight": 8}}
+    load_policies(parse_config({"pools": pools, "tiers": tiers}))
 
 
 def test_rules_match_model_tier_class_and_headers():
