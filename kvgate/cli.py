@@ -170,6 +170,9 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
 def _cmd_keys_new(args: argparse.Namespace) -> int:
     from kvgate.chain.keys import new_key, new_key_id
 
+    if args.tenant is not None and not args.tenant.strip():
+        print("kvgate keys new: --tenant needs the tenant's name", file=sys.stderr)
+        return 1
     try:
         key, digest = new_key(args.id or new_key_id(args.tenant or "admin"))
     except ValueError as exc:
