@@ -157,7 +157,9 @@ class PolicyPicker:
         rule: str,
         pools: Collection[str],
         may_fall_back: bool,
+        taken: str = "",
     ) -> Endpoint:
+        """`taken`: why the decision is not the policy's first choice (explained)."""
         endpoints = routable_candidates(self.fleet, ctx.model, exclude, pools)
         if profile.uses_prefix and ctx.prefix is None:
             ctx.prefix = self.services.prefix_match(ctx)
@@ -177,7 +179,14 @@ class PolicyPicker:
             if may_fall_back and profile.fallback_pool is not None:
                 try:
                     return self._choose(
-                        ctx, exclude, profile, rule, (profile.fallback_pool,), False
+                        ctx,
+                        exclude,
+                        profile,
+                        rule,
+                        (profile.fallback_pool,),
+                        False,
+                        f"fallback_pool={profile.fallback_pool} (every endpoint of "
+                        f"{','.join(sorted(pools))} saturated)",
                     )
                 except (NotFound, Overloaded):
                     pass
@@ -188,6 +197,7 @@ class PolicyPicker:
                     retry_after=1,
                 )
             available = candidates
+            taken = taken or "saturated (every candidate; when_saturated=queue)"
         scores, columns = (
             weighted_scores(ctx, available, profile.scorers) if profile.scorers else (None, [])
         )
@@ -196,7 +206,9 @@ class PolicyPicker:
             ctx.response_headers.append(
                 (
                     ROUTE_EXPLAIN,
-                    _explain(ctx, self.policy.name, rule, profile, available, scores, columns),
+                    _explain(
+                        ctx, self.policy.name, rule, profile, available, scores, columns, taken
+                    ),
                 )
             )
         self._record(ctx, chosen)
@@ -228,6 +240,7 @@ def _explain(
     candidates: Sequence[EndpointLoad],
     scores: Sequence[float] | None,
     columns: Sequence[Sequence[float]],
+    taken: str,
 ) -> bytes:
     """Every term of the decision, per candidate: its score and each scorer's value, and the
     inputs of the predicted time to first token (held prompt blocks, uncached tokens, prefill
@@ -238,6 +251,8 @@ def _explain(
     prefix = ctx.prefix
     now = time.monotonic()
     parts = [f"policy={policy}; rule={rule}; objective={profile.objective}"]
+    if taken:
+        parts[0] += f"; {taken}"
     if prefix is not None:
         parts[0] += f"; prompt_tokens={prefix.prompt_tokens}; blocks={prefix.blocks}"
     for i, candidate in enumerate(candidates):

@@ -111,8 +111,18 @@ def test_when_saturated_queue_reject_and_fallbacks():
     with pytest.raises(Overloaded) as caught:
         reject.choose(ctx())
     assert caught.value.code == "all_endpoints_saturated"
-    to_pool, _ = _picker(a, big, small, policy=build_policy({"fallback": {"pool": "spare"}}, "p"))
-    assert to_pool.choose(ctx()) is big
+    to_pool, _ = _picker(
+        a, big, small, policy=build_policy({"fallback": {"pool": "spare"}}, "p"), explain="always"
+    )
+    request = ctx(headers=[(b"x-kvgate-explain", b"1")])
+    assert to_pool.choose(request) is big
+    explained = dict(request.response_headers)[b"x-kvgate-route-explain"].decode()
+    assert "fallback_pool=spare (every endpoint of p saturated)" in explained
+    queued, _ = _picker(a, big, small, policy=build_policy({}, "p"), explain="always")
+    request = ctx(headers=[(b"x-kvgate-explain", b"1")])
+    assert queued.choose(request) is a
+    explained = dict(request.response_headers)[b"x-kvgate-route-explain"].decode()
+    assert "saturated (every candidate; when_saturated=queue)" in explained
 
 
 async def test_model_fallback_is_settled_before_admission_and_picking_follows():
