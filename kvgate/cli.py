@@ -53,7 +53,13 @@ def _loaded(path: Path) -> tuple[Config, dict[str, RoutingPolicy]] | None:
         load_tokenizers(config)  # a pool's tokenizer directory must load
         return config, policies
     except ConfigError as exc:
-        _print_problems(exc)
+        problems = exc.problems
+        if exc.parsed is not None:  # every key was valid: its policy files can be checked too
+            try:
+                load_policies(exc.parsed)
+            except ConfigError as policy_errors:
+                problems = [*problems, *policy_errors.problems]
+        _print_problems(ConfigError(exc.source, problems))
         return None
 
 

@@ -319,11 +319,14 @@ class Config(_Strict):
 
 
 class ConfigError(Exception):
-    """One or more problems in a config file; `problems` lists `key.path: reason` lines."""
+    """One or more problems in a config file; `problems` lists `key.path: reason` lines.
+    `parsed`: the config as read when every key was valid and only checks across sections
+    failed (so that what it names, its policy files, can still be checked and reported)."""
 
-    def __init__(self, source: str, problems: list[str]) -> None:
+    def __init__(self, source: str, problems: list[str], parsed: Config | None = None) -> None:
         self.source = source
         self.problems = problems
+        self.parsed = parsed
         super().__init__("\n".join(f"{source}: {p}" for p in problems))
 
 
@@ -468,7 +471,7 @@ def parse_config(
     config._source = source
     problems.extend(_cross_check(config))
     if problems:
-        raise ConfigError(source, problems)
+        raise ConfigError(source, problems, config)
     return config
 
 

@@ -190,6 +190,15 @@ def test_check_config_reports_policy_problems(tmp_path: Path):
     result = subprocess.run([*KVGATE, "check-config", str(config)], capture_output=True, text=True)
     assert result.returncode == 1
     assert f"{config}: pools[0].policy: unknown policy 'fastest'" in result.stderr
+    # A problem across sections (a duplicate endpoint) hides none of the policies' problems.
+    config.write_text(
+        "pools:\n  - name: a\n    policy: fastest\n"
+        "    endpoints: [{url: 'http://h:1'}, {url: 'http://h:1'}]\n"
+    )
+    result = subprocess.run([*KVGATE, "check-config", str(config)], capture_output=True, text=True)
+    assert "pools[0].endpoints[1].url: duplicate endpoint" in result.stderr
+    assert f"{config}: pools[0].policy: unknown policy 'fastest'" in result.stderr
+    assert f"{config}: 2 problem(s)" in result.stderr
 
 
 def test_serve_closes_connections_whose_headers_trickle(tmp_path: Path):
