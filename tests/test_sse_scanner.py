@@ -82,6 +82,14 @@ def test_a_large_event_arriving_in_many_reads_is_relayed_whole_once_it_ends(endi
     assert scanner.data_events == 1
 
 
+def test_an_event_end_spread_over_reads_of_one_byte_is_found_when_it_arrives():
+    scanner = SseScanner()
+    first, second = b'data: {"choices":[]}', b'data: {"choices":[1]}'
+    out = [scanner.feed(part) for part in (first, b"\r", b"\n", b"\r", b"\n" + second)]
+    assert out == [b"", b"", b"", b"", first + b"\r\n\r\n"]
+    assert scanner.data_events == 1
+
+
 @pytest.mark.parametrize("split", [1, 5, 40, 10_000])
 def test_an_error_event_and_what_follows_it_are_held_back(split):
     content = b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n'

@@ -114,7 +114,7 @@ class SseScanner:
             return b""
         arriving = self._arriving
         if arriving:
-            edge = arriving[-1][-3:] + chunk[:3]
+            edge = b"".join(arriving[-3:])[-3:] + chunk[:3]  # held parts may be 1 byte long
             if not any(end in chunk or end in edge for end in _ENDS):
                 self._hold(chunk)
                 return b""
