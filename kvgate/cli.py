@@ -31,16 +31,22 @@ if TYPE_CHECKING:
 
 def _port(text: str) -> int:
     """A TCP port, 0 (any free one) to 65535, as `server.port` in the config."""
-    port = int(text)
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
     if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{port} is not a port (0 to 65535)")
+        raise argparse.ArgumentTypeError(f"{text} is not a port (an integer from 0 to 65535)")
     return port
 
 
 def _at_least_one(text: str) -> int:
-    count = int(text)
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
     if count < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1 (got {count})")
+        raise argparse.ArgumentTypeError(f"must be an integer of at least 1 (got {text})")
     return count
 
 

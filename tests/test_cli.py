@@ -60,9 +60,9 @@ def test_version_and_help():
     ("args", "said"),
     [
         (["serve", "--config", "x.yaml", "--port", "99999"], "--port: 99999 is not a port"),
-        (["serve", "--config", "x.yaml", "--workers", "0"], "--workers: must be at least 1"),
+        (["serve", "--config", "x.yaml", "--workers", "0"], "--workers: must be an integer of"),
         (["demo", "--port", "-5"], "--port: -5 is not a port"),
-        (["sim", "--engines", "0"], "--engines: must be at least 1"),
+        (["sim", "--engines", "zero"], "--engines: must be an integer of at least 1"),
         (["keys", "new", "--tenant", " "], "--tenant needs the tenant's name"),
     ],
 )

@@ -71,7 +71,7 @@ def test_environment_supplies_serve_and_demo_settings(clean_env: pytest.MonkeyPa
 
 def test_bad_environment_values_are_usage_errors():
     for name, value, reason in (
-        ("KVGATE_PORT", "http", "invalid int value"),
+        ("KVGATE_PORT", "http", "--port: http is not a port (an integer from 0 to 65535)"),
         ("KVGATE_LOG_LEVEL", "loud", "invalid log level 'loud'"),
     ):
         result = subprocess.run(

@@ -162,7 +162,10 @@ async def _serve(engines: int, base_port: int, host: str, options: EngineOptions
 
 
 def _engines(text: str) -> int:
-    count = int(text)
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
     if count < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1 (got {count})")
+        raise argparse.ArgumentTypeError(f"must be an integer of at least 1 (got {text})")
     return count
