@@ -21,7 +21,7 @@ from kvgate.chain.auth import Authenticator
 from kvgate.chain.classify import Classifier
 from kvgate.chain.intent import CLASSES_BY_RANK, request_priority
 from kvgate.chain.tenants import TenantDirectory
-from kvgate.errors import KvgateError, MethodNotAllowed, NotFound
+from kvgate.errors import InvalidRequest, KvgateError, MethodNotAllowed, NotFound
 from kvgate.ingress import (
     INFERENCE_ROUTES,
     ClientGone,
@@ -92,6 +92,13 @@ class AdminRoutes:
         payload, model, _ = parse_payload(route, body)
         query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
         name = query.get("tenant", [None])[0]
+        if name is None and not self.directory.open:
+            raise InvalidRequest(
+                "Name the tenant to explain for (?tenant=NAME): this gateway serves no "
+                "anonymous requests",
+                param="tenant",
+                code="missing_required_parameter",
+            )
         tenant = self.directory.anonymous if name is None else self.directory.tenants.get(name)
         if tenant is None:
             raise NotFound(f"No tenant named '{name}'", param="tenant", code="unknown_tenant")
@@ -105,6 +112,8 @@ class AdminRoutes:
         intent = self.classifier.classify(ctx, tenant)
         return {
             "tenant": tenant.name,
+            # False: the tenant's key would be refused this model (403 model_not_allowed).
+            "model_allowed": tenant.may_use(model),
             "intent": intent.explain(),
             "priority": request_priority(intent.latency_class, tenant.tier_priority),
             "predicted_ttft_seconds": round(self.admission.predicted_ttft(model), 4),

@@ -114,3 +114,12 @@ def test_admin_explain_reports_rule_and_tenant(upstream, start_gateway):
     assert body["tenant"] == "gold" and body["intent"]["rule"] == "wants-interactive"
     assert body["intent"]["workflow"] == {"id": "wf-9", "step": 3, "total": 5}
     assert body["priority"] == 0
+    assert body["model_allowed"] is True
+    # This gateway serves no anonymous request: an explanation must name its tenant.
+    unnamed = httpx.post(
+        server.url + "/admin/explain/v1/chat/completions",
+        headers={"authorization": f"Bearer {admin}"},
+        json={"model": "m1", "messages": [{"role": "user", "content": "hi"}]},
+    )
+    assert unnamed.status_code == 400
+    assert unnamed.json()["error"]["param"] == "tenant"
