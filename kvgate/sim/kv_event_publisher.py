@@ -71,15 +71,17 @@ class KvEventFault:
         unknown = set(spec) - {"mode", "from_seq", "to_seq", "replay"}
         if unknown:
             raise ValueError(f"unknown kv-events fault keys {sorted(unknown)}")
-        from_seq, to_seq = spec.get("from_seq", 0), spec.get("to_seq", 0)
+        from_seq, to_seq = spec.get("from_seq"), spec.get("to_seq")
         replay = spec.get("replay", True)
         if spec["mode"] == "drop" and not (
             type(from_seq) is int and type(to_seq) is int and 0 <= from_seq <= to_seq
         ):
-            raise ValueError("drop needs integers 0 <= from_seq <= to_seq")
+            raise ValueError("drop needs the range it drops: integers 0 <= from_seq <= to_seq")
+        if spec["mode"] != "drop" and (from_seq is not None or to_seq is not None):
+            raise ValueError("from_seq and to_seq are for drop only")
         if not isinstance(replay, bool):
             raise ValueError("replay must be true or false")
-        return cls(spec["mode"], from_seq, to_seq, replay)
+        return cls(spec["mode"], from_seq or 0, to_seq or 0, replay)
 
     def as_json(self) -> dict[str, Any]:
         """The JSON form `from_json` accepts."""

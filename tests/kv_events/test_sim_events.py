@@ -231,6 +231,8 @@ async def test_fault_specs_are_validated(client):
         for spec in (
             {"mode": "explode"},
             {"mode": "drop", "from_seq": 5, "to_seq": 2},
+            {"mode": "drop"},  # no range: it would drop batch 0 alone, long past
+            {"mode": "stop", "from_seq": 3},
             {"mode": "stop", "when": "now"},
         ):
             assert (await client.post(faults, json=spec)).status_code == 400
