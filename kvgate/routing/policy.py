@@ -78,7 +78,8 @@ class PluginSpec(_Strict):
 
 
 class ScorerSpec(PluginSpec):
-    weight: float | None = None
+    # Strict: `true` or "2" is a slip in the file, not a weight.
+    weight: float | None = Field(None, strict=True)
 
 
 class FallbackSpec(_Strict):

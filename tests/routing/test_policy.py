@@ -73,6 +73,10 @@ BAD = [
         "scorers[0].weight: Input should be a finite number",
     ),
     (
+        {"scorers": [{"type": "kv_usage", "weight": True}]},
+        "scorers[0].weight: Input should be a valid number",
+    ),
+    (
         {"rules": [{"match": {"latency_class": ["urgent"]}, "objective": "cost"}]},
         "rules[0].match.latency_class[0]: Input should be 'interactive', 'standard' or 'batch'",
     ),
