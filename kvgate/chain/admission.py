@@ -238,6 +238,10 @@ class AdmissionController:
         except TimeoutError:
             if not waiter.granted:
                 self._leave(waiter, "timeout")
+                if not self._below_cap(tenant) and self.capacity.has_capacity(*key):
+                    # What held it was the tenant's own concurrency, not the fleet: a 429,
+                    # as every limit of the tenant's is.
+                    raise self._limited(tenant, "max_concurrent", self._retry_after()) from None
                 raise self._shed(
                     waiter,
                     "queue_timeout",

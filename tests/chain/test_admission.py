@@ -216,6 +216,37 @@ def test_tenant_concurrency_cap_waits_without_blocking_others(upstream, start_ga
     assert admission_state(app, server) == IDLE
 
 
+def test_a_wait_for_the_tenants_own_concurrency_that_times_out_is_a_429(upstream, start_gateway):
+    """The fleet had room; the tenant's own max_concurrent held the request: the refusal is
+    about its allowance (429, as every tenant limit), not the fleet's capacity (503)."""
+    engine, up = upstream
+    engine.script.chunks, engine.script.gap = 4, 0.3
+    app, server = start_gateway(
+        gateway_config(
+            [up.url],
+            pool={"models": ["m1"]},
+            auth={"tenants": [tenant("a", "silver", [A_ENTRY], limits={"max_concurrent": 1})]},
+            classification={"classes": {"standard": {"deadline": 60, "max_queue_wait": 0.3}}},
+        )
+    )
+    url = server.url + "/v1/chat/completions"
+    headers = {"authorization": f"Bearer {A_KEY}"}
+
+    async def scenario() -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(timeout=20) as client:
+            first = asyncio.ensure_future(client.post(url, json=_body("a1"), headers=headers))
+            await _until(lambda: len(engine.inference_requests) == 1)
+            second = await client.post(url, json=_body("a2"), headers=headers)
+            return await first, second
+
+    first, second = asyncio.run(scenario())
+    assert first.status_code == 200
+    assert second.status_code == 429 and "max_concurrent" in second.json()["error"]["message"]
+    assert "retry-after" in second.headers
+    assert _tags(engine) == ["a1"]
+    assert admission_state(app, server) == IDLE
+
+
 # --- the queue alone ------------------------------------------------------------------------
 
 
