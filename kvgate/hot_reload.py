@@ -173,6 +173,7 @@ class ReloadableGateway:
             refused = {
                 "message": "The config file was refused; the running config keeps serving.",
                 "type": "invalid_request_error",
+                "param": None,
                 "code": "invalid_config",
                 "problems": problems,
             }

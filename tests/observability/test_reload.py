@@ -199,6 +199,7 @@ def test_a_broken_config_is_refused_and_the_old_one_keeps_serving(tmp_path, flee
         )
         assert answer.status_code == 400
         assert answer.json()["error"]["code"] == "invalid_config"
+        assert {"message", "type", "param", "code"} <= set(answer.json()["error"])
         assert answer.json()["error"]["problems"] == expected
         assert _chat(gateway.base, "sim-model").status_code == 200
         assert gateway.proc.poll() is None
