@@ -32,7 +32,7 @@ from kvgate.routing.plugins import (
     Scorer,
 )
 from kvgate.types import RequestContext, header_value
-from kvgate.yaml_source import YamlDocument, YamlSourceError, key_path, read_yaml
+from kvgate.yaml_source import Loc, YamlDocument, YamlSourceError, key_path, read_yaml
 
 T = TypeVar("T")
 
@@ -214,36 +214,36 @@ class RoutingPolicy:
         return named
 
 
+# A problem found while building a policy: where in the file (a key path, placed on its line
+# when the file's marks are known), and what is wrong there.
+_Problem = tuple[Loc, str]
+
+
 def _build(
     registry: dict[str, PluginType[T]],
     kind: str,
     spec: str | PluginSpec,
-    where: str,
-    problems: list[str],
+    where: Loc,
+    problems: list[_Problem],
 ) -> T | None:
     plugin_type = spec if isinstance(spec, str) else spec.type
     params = {} if isinstance(spec, str) else spec.params
     cls = registry.get(plugin_type)
     if cls is None:
-        problems.append(
-            f"{where}: unknown {kind} '{plugin_type}' (one of: {', '.join(sorted(registry))})"
-        )
+        known = ", ".join(sorted(registry))
+        problems.append((where, f"unknown {kind} '{plugin_type}' (one of: {known})"))
         return None
     try:
         return cls.create(cls.params.model_validate(params))
     except ValidationError as exc:
         for error in exc.errors():
-            path = key_path(error["loc"])
-            problems.append(
-                f"{where}.params.{path}: {error['msg'].removeprefix('Value error, ')}"
-                if error["loc"]
-                else f"{where}.params: {error['msg']}"
-            )
+            message = error["msg"].removeprefix("Value error, ")
+            problems.append(((*where, "params", *error["loc"]), message))
         return None
 
 
 def _profile(
-    spec: ProfileSpec, base: ProfileSpec | None, where: str, problems: list[str]
+    spec: ProfileSpec, base: ProfileSpec | None, where: Loc, problems: list[_Problem]
 ) -> RoutingProfile | None:
     """The profile `spec` describes (keys it lacks come from `base`), or None when a plugin
     could not be built (the reason is in `problems`)."""
@@ -252,16 +252,16 @@ def _profile(
         value = getattr(spec, key)
         return value if value is not None or base is None else getattr(base, key)
 
-    prefix = f"{where}." if where else ""
     objective = pick("objective") or "latency"
     filter_specs = pick("filters")
+    filters_where: Loc
     if filter_specs is None:
         filter_specs = list(DEFAULT_FILTERS)
-        filters_where = f"{prefix}objective"
+        filters_where = (*where, "objective")
     else:
-        filters_where = f"{prefix}filters" if spec.filters is not None else "filters"
+        filters_where = (*where, "filters") if spec.filters is not None else ("filters",)
     filters = [
-        _build(FILTERS, "filter", f, f"{filters_where}[{i}]", problems)
+        _build(FILTERS, "filter", f, (*filters_where, i), problems)
         for i, f in enumerate(filter_specs)
     ]
     scorer_specs = pick("scorers")
@@ -271,14 +271,14 @@ def _profile(
             plugin = SCORERS[name]
             scorers.append((plugin.create(plugin.params()), weight))
     else:
-        scorers_where = f"{prefix}scorers" if spec.scorers is not None else "scorers"
+        scorers_where = (*where, "scorers") if spec.scorers is not None else ("scorers",)
         for i, s in enumerate(scorer_specs):
-            here = f"{scorers_where}[{i}]"
+            here = (*scorers_where, i)
             if s.weight is None:
-                problems.append(f"{here}.weight: a scorer needs a weight")
+                problems.append(((*here, "weight"), "a scorer needs a weight"))
                 continue
             if s.weight <= 0:
-                problems.append(f"{here}.weight: must be greater than 0")
+                problems.append(((*here, "weight"), "must be greater than 0"))
                 continue
             scorer = _build(SCORERS, "scorer", s, here, problems)
             if scorer is not None:
@@ -288,7 +288,7 @@ def _profile(
         PICKERS,
         "picker",
         picker_spec,
-        f"{prefix}picker" if spec.picker is not None else "picker",
+        (*where, "picker") if spec.picker is not None else ("picker",),
         problems,
     )
     if picker is None:
@@ -325,11 +325,16 @@ def build_policy(data: Any, source: str, document: YamlDocument | None = None) -
                 for e in exc.errors()
             ]
         ) from None
-    problems: list[str] = []
-    default = _profile(spec, None, "", problems)
-    profiles = [_profile(r, spec, f"rules[{i}]", problems) for i, r in enumerate(spec.rules)]
+    problems: list[_Problem] = []
+    default = _profile(spec, None, (), problems)
+    profiles = [_profile(r, spec, ("rules", i), problems) for i, r in enumerate(spec.rules)]
     if problems:
-        raise PolicyError([f"{source}: {p}" for p in problems])
+        raise PolicyError(
+            [
+                f"{source}: {document.where(loc) if document else key_path(loc)}: {message}"
+                for loc, message in problems
+            ]
+        )
     assert default is not None and all(p is not None for p in profiles)
     rules = [
         Rule(r.name or f"rules[{i}]", r.match, profile)

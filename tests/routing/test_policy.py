@@ -108,9 +108,10 @@ def test_config_names_policy_file_errors_under_the_pool(tmp_path):
     with pytest.raises(ConfigError) as caught:
         load_policies(load_config(tmp_path / "gw.yaml"))
     problems = caught.value.problems
+    # On the line of the scorer that lacks its weight.
     assert (
-        f"pools[0].policy: {tmp_path / 'bad.yaml'}: scorers[0].weight: a scorer needs a "
-        "weight" in problems
+        f"pools[0].policy: {tmp_path / 'bad.yaml'}: line 2, column 3: scorers[0].weight: a "
+        "scorer needs a weight" in problems
     )
     assert any(
         p.startswith(f"pools[1].policy: {tmp_path / 'missing.yaml'}: (file): cannot read")
