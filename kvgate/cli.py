@@ -23,6 +23,7 @@ from kvgate.routing.policy import RoutingPolicy
 from kvgate.routing.policy_catalog import BUILTIN, load_policies, shipped_names, shipped_text
 from kvgate.routing.prompt_tokens import load_tokenizers
 from kvgate.serving import uvicorn_options
+from kvgate.sim.cli import at_least_one
 from kvgate.worker_supervisor import serve_workers
 
 if TYPE_CHECKING:
@@ -38,16 +39,6 @@ def _port(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"{text} is not a port (an integer from 0 to 65535)")
     return port
-
-
-def _at_least_one(text: str) -> int:
-    try:
-        count = int(text)
-    except ValueError:
-        count = 0
-    if count < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer of at least 1 (got {text})")
-    return count
 
 
 def _loaded(path: Path) -> tuple[Config, dict[str, RoutingPolicy]] | None:
@@ -306,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--workers",
-        type=_at_least_one,
+        type=at_least_one,
         default=1,
         help="worker processes, each a full replica (needs state.backend redis)",
     )

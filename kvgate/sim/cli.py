@@ -22,7 +22,7 @@ from .options import (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the `sim` command's options on `parser`; its --help shows every default."""
     parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
-    parser.add_argument("--engines", type=_engines, default=1, help="number of engines")
+    parser.add_argument("--engines", type=at_least_one, default=1, help="number of engines")
     parser.add_argument(
         "--host",
         default=HOST,
@@ -161,7 +161,8 @@ async def _serve(engines: int, base_port: int, host: str, options: EngineOptions
     return 0
 
 
-def _engines(text: str) -> int:
+def at_least_one(text: str) -> int:
+    """An argparse count of at least 1 (engines here; workers for `kvgate serve`)."""
     try:
         count = int(text)
     except ValueError:
