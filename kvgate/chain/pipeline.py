@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Protocol
@@ -36,9 +37,9 @@ log = logging.getLogger("kvgate.chain")
 class Tracing(Protocol):
     """Where request traces come from (kvgate/observability/tracing.py)."""
 
-    def start(self, ctx: RequestContext) -> RequestTrace | None:
-        """The trace of a request that has just entered the chain; None when it is not
-        traced (not sampled)."""
+    def start(self, ctx: RequestContext, stages: tuple[str, ...]) -> RequestTrace | None:
+        """The trace of a request that has just entered the chain, whose stages have these
+        span names (the chain's, in order); None when it is not traced (not sampled)."""
         ...
 
 
@@ -59,22 +60,22 @@ class RequestChain:
         self._ending: KvgateError | None = None
 
     async def _traced_stages(self, ctx: RequestContext, trace: RequestTrace) -> None:
-        """The stages, each in a step of `trace` that ends with the stage's outcome."""
-        for stage, name in zip(self.stages, self._span_names, strict=True):
-            opened = trace.stage_started(name)
+        """The stages, each one's end noted in `trace` (or, for the one that fails, why)."""
+        ends = trace.stage_ends
+        for stage in self.stages:
             try:
                 await stage(ctx)
             except KvgateError as error:
-                trace.stage_ended(name, opened, str(error.code))
+                trace.stage_failed(str(error.code))
                 raise
             except asyncio.CancelledError:
                 # The client left, or a drain ended the request.
-                trace.stage_ended(name, opened, "interrupted")
+                trace.stage_failed("interrupted")
                 raise
             except Exception:
-                trace.stage_ended(name, opened, "internal_error")
+                trace.stage_failed("internal_error")
                 raise
-            trace.stage_ended(name, opened, None)
+            ends.append(time.perf_counter())
 
     def end_requests(self, error: KvgateError) -> int:
         """End every request in the chain now with `error` (as the last event of a stream
@@ -94,7 +95,7 @@ class RequestChain:
         else:
             watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, task, ctx))
         if self.tracing is not None:
-            ctx.trace = self.tracing.start(ctx)
+            ctx.trace = self.tracing.start(ctx, self._span_names)
         try:
             if ctx.trace is None:
                 for stage in self.stages:

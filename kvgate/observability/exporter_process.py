@@ -19,7 +19,7 @@ from collections.abc import Callable
 from contextlib import suppress
 from struct import Struct
 
-from kvgate.observability.span_records import TraceRecord
+from kvgate.observability.span_records import TraceRecord, span_count
 
 log = logging.getLogger("kvgate.tracing")
 
@@ -213,7 +213,7 @@ class ExporterProcess:
         return time.monotonic() - self._started_at, code, lost
 
     def send(self, record: TraceRecord) -> None:
-        spans = len(record[-1]) + 1  # the steps, and the request's own span
+        spans = span_count(record)
         transport = self._transport
         if (
             self._stop_requested.is_set()

@@ -3,11 +3,14 @@ upstream attempt (client kind) and per resume (docs/observability.md). The clien
 `traceparent` is continued; each attempt sends its own span's context to the engine. Built by
 kvgate/observability/tracing.py.
 
-Nothing here calls OpenTelemetry or builds an attribute: ids are drawn with
-`random.getrandbits` (as the SDK's own id generator does), times are `time.time_ns()`, and a
-span keeps only the facts its attributes will say, in a tuple. When the request is over its
-whole trace is handed to the sink as one `TraceRecord` (kvgate/observability/span_records.py),
-from which the attributes and the SDK spans are made off the request path.
+What runs before the answer is as little as it can be, because in a serving process it runs
+with cold caches, where each distinct call costs several times what a timing loop shows: the
+trace id is drawn (`random.getrandbits`, as the SDK's own id generator does), the chain appends
+`time.perf_counter()` as each stage ends, and an attempt draws the one span id that leaves the
+process and formats its `traceparent`. The other span ids, the wall-clock times and every
+fact are settled in `finish`, after the answer's last byte, and the whole trace is handed to
+the sink as one `TraceRecord` (kvgate/observability/span_records.py), from which the
+attributes and the SDK spans are made off the request path.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from kvgate.observability.span_records import (
     CLIENT,
     NEW_TRACE_FLAGS,
+    ROOT,
     SAMPLED,
     Attributes,
     ClientParent,
@@ -32,6 +36,7 @@ from kvgate.observability.span_records import (
     StepFacts,
     TraceExport,
     UsageCounts,
+    stage_parent,
 )
 from kvgate.routing.endpoints import Endpoint
 from kvgate.types import Headers, RequestContext
@@ -67,14 +72,14 @@ class GatewayTracing:
         """Export every finished trace, then stop (may wait up to the exporter's timeout)."""
         await self.export.stop()
 
-    def start(self, ctx: RequestContext) -> _RequestTrace | None:
+    def start(self, ctx: RequestContext, stages: tuple[str, ...]) -> _RequestTrace | None:
         client = _client_parent(ctx.client_headers)
         if client is None:
             if self.ratio < 1.0 and random.random() >= self.ratio:
                 return None
         elif not client[1] & SAMPLED:
             return None
-        return _RequestTrace(self, ctx, client)
+        return _RequestTrace(self, ctx, client, stages)
 
     def server(self, endpoint: Endpoint) -> tuple[str, int]:
         """The engine's host and port (server.address, server.port), parsed once."""
@@ -92,7 +97,7 @@ class _Step:
 
     __slots__ = ("_done", "_trace", "facts", "kind", "name", "parent", "span_id", "start")
 
-    def __init__(self, trace: _RequestTrace, name: str, kind: int, facts: StepFacts) -> None:
+    def __init__(self, trace: _RequestTrace, name: str, kind: int, facts: Any) -> None:
         self._trace = trace
         self.name = name
         self.kind = kind
@@ -100,7 +105,7 @@ class _Step:
         self._done = False
         self.span_id = _span_id()
         self.parent = trace.innermost()
-        self.start = time.time_ns()
+        self.start = time.perf_counter()
 
     def headers(self) -> Headers:
         return self._trace.context_headers(self.span_id)
@@ -108,64 +113,57 @@ class _Step:
     def end(self, error: str | None = None) -> None:
         if not self._done:
             self._done = True
-            self._trace.closed(self, error)
-
-
-# An attempt's facts known when it starts (span_records.AttemptFacts without the usage and
-# the response model).
-_AttemptStart = tuple[str, str, str, str, int, int, int | None]
+            self._trace.closed(self, error, self.facts)
 
 
 class _Attempt(_Step):
-    """An upstream attempt's span: its facts are completed with the usage when it ends."""
+    """An upstream attempt's span: until it ends, its facts are the endpoint and the attempt's
+    number; then they become span_records.AttemptFacts."""
 
-    __slots__ = ("_at_start",)
-
-    def __init__(self, trace: _RequestTrace, model: str, at_start: _AttemptStart) -> None:
-        super().__init__(trace, model, CLIENT, None)
-        self._at_start = at_start
+    __slots__ = ()
 
     def end(self, error: str | None = None) -> None:
         if not self._done:
-            ctx = self._trace.ctx
-            self.facts = (*self._at_start, _usage(ctx.usage), ctx.response_model)
-            super().end(error)
-
-
-# Stages that only read the config and the fleet's state (no I/O, no waiting), whose outcome
-# the request span records (a fallback model: `kvgate.model`; the responses gate's 404: the
-# request's status): a span each would cost as much as a real stage's and show nothing.
-_FOLDED = frozenset({"kvgate.responses", "kvgate.model_fallback"})
-# What `stage_started` gives `stage_ended`: the stage span's id, its parent's, and its start.
-_OpenStage = tuple[int, int, int]
+            self._done = True
+            self._trace.closed(self, error, self._trace.attempt_facts(*self.facts))
 
 
 class _RequestTrace:
-    """A request's span (SERVER kind), the ids of its open steps and the spans already ended;
-    see `RequestTrace` in types.py."""
+    """A request's span (SERVER kind), the times its stages ended, its open steps and the
+    spans already ended; see `RequestTrace` in types.py."""
 
     __slots__ = (
         "_client",
         "_ended",
+        "_failed",
+        "_first_attempt",
         "_flags",
         "_open",
         "_requested",
-        "_root",
-        "_started",
-        "_trace_hex",
+        "_stages",
         "_tracestate",
         "_tracing",
         "ctx",
+        "stage_ends",
         "trace_id",
     )
 
     def __init__(
-        self, tracing: GatewayTracing, ctx: RequestContext, client: _ClientContext | None
+        self,
+        tracing: GatewayTracing,
+        ctx: RequestContext,
+        client: _ClientContext | None,
+        stages: tuple[str, ...],
     ) -> None:
         self._tracing = tracing
         self.ctx = ctx
+        self._stages = stages
+        # When the stages started, then when each ended (time.perf_counter()).
+        self.stage_ends = [time.perf_counter()]
+        self._failed: tuple[float, str] | None = None
         self._open: list[int] = []
         self._ended: list[SpanRecord] = []
+        self._first_attempt: Endpoint | None = None
         self._requested = ctx.model
         if client is None:
             self.trace_id = _trace_id()
@@ -177,35 +175,25 @@ class _RequestTrace:
             # As the SDK: sampled, and random-trace-id only if the client's trace says so.
             self._flags = SAMPLED | (client_flags & (NEW_TRACE_FLAGS ^ SAMPLED))
             self._tracestate = self._client[2]
-        self._trace_hex = f"00-{self.trace_id:032x}-"
-        self._root = _span_id()
-        self._started = time.time_ns() - int((time.perf_counter() - ctx.started) * 1e9)
+
+    def stage_failed(self, error: str) -> None:
+        self._failed = (time.perf_counter(), error)
 
     def innermost(self) -> int:
-        """The span id a new span's parent is: the innermost open step, else the request."""
-        return self._open[-1] if self._open else self._root
+        """The parent of a new span (span_records.SpanRecord): the innermost open step, else
+        the stage under way, else the request."""
+        if self._open:
+            return self._open[-1]
+        running = len(self.stage_ends) - 1
+        if running < len(self._stages) and self._failed is None:
+            return stage_parent(running)
+        return ROOT
 
     def context_headers(self, span_id: int) -> Headers:
-        headers = [(b"traceparent", f"{self._trace_hex}{span_id:016x}-{self._flags:02x}".encode())]
-        if self._tracestate:
-            headers.append((b"tracestate", self._tracestate.encode("latin-1")))
-        return headers
-
-    def stage_started(self, name: str) -> _OpenStage | None:
-        if name in _FOLDED:
-            return None
-        span_id = _span_id()
-        opened = (span_id, self.innermost(), time.time_ns())
-        self._open.append(span_id)
-        return opened
-
-    def stage_ended(self, name: str, opened: _OpenStage | None, error: str | None) -> None:
-        if opened is None:
-            return
-        span_id, parent, start = opened
-        self._open.remove(span_id)
-        facts = _picked(self.ctx) if name == "kvgate.pick" else None
-        self._ended.append((name, _INTERNAL, span_id, parent, start, time.time_ns(), error, facts))
+        traceparent = b"00-%032x-%016x-%02x" % (self.trace_id, span_id, self._flags)
+        if not self._tracestate:
+            return [(b"traceparent", traceparent)]
+        return [(b"traceparent", traceparent), (b"tracestate", self._tracestate.encode("latin-1"))]
 
     def span(self, name: str, attributes: Attributes | None = None) -> _Step:
         step = _Step(self, name, _INTERNAL, attributes)
@@ -213,15 +201,30 @@ class _RequestTrace:
         return step
 
     def attempt(self, endpoint: Endpoint) -> _Attempt:
-        ctx = self.ctx
-        host, port = self._tracing.server(endpoint)
-        predicted = None if ctx.prefix is None else _predicted(ctx, endpoint.name)
-        facts = (endpoint.name, endpoint.pool, endpoint.engine, host, port, ctx.attempts, predicted)
-        step = _Attempt(self, ctx.model, facts)
+        if self._first_attempt is None:
+            self._first_attempt = endpoint
+        step = _Attempt(self, self.ctx.model, CLIENT, (endpoint, self.ctx.attempts))
         self._open.append(step.span_id)
         return step
 
-    def closed(self, step: _Step, error: str | None) -> None:
+    def attempt_facts(self, endpoint: Endpoint, number: int) -> StepFacts:
+        """An attempt's span_records.AttemptFacts, when it has ended."""
+        ctx = self.ctx
+        host, port = self._tracing.server(endpoint)
+        predicted = None if ctx.prefix is None else _predicted(ctx, endpoint.name)
+        return (
+            endpoint.name,
+            endpoint.pool,
+            endpoint.engine,
+            host,
+            port,
+            number,
+            predicted,
+            _usage(ctx.usage),
+            ctx.response_model,
+        )
+
+    def closed(self, step: _Step, error: str | None, facts: StepFacts) -> None:
         """Record an ended step (`error`: the code that failed it)."""
         if step.span_id in self._open:
             self._open.remove(step.span_id)
@@ -232,19 +235,23 @@ class _RequestTrace:
                 step.span_id,
                 step.parent,
                 step.start,
-                time.time_ns(),
+                time.perf_counter(),
                 error,
-                step.facts,
+                facts,
             )
         )
 
     def finish(self) -> None:
         ctx = self.ctx
-        end = time.time_ns()
+        ended = time.perf_counter()
+        clock = time.time_ns() - round(ended * 1e9)
         tenant = ctx.tenant
         intent = ctx.intent
         endpoint = ctx.endpoint
         first_token = ctx.first_token_at
+        # The pick stage's choice: the first attempt goes to it; without one the context
+        # still names it (only a retry changes it).
+        picked = self._first_attempt or endpoint
         facts = (  # a span_records.RequestFacts, field by field
             ctx.route,
             ctx.upstream_path,
@@ -264,6 +271,7 @@ class _RequestTrace:
             else (intent.latency_class, intent.rule, intent.prompt_tokens, intent.max_tokens),
             ctx.priority,
             None if endpoint is None else _endpoint(ctx, endpoint),
+            None if picked is None else _endpoint(ctx, picked),
             None if endpoint is None else endpoint.engine,
             None if first_token is None else first_token - ctx.started,
             _usage(ctx.usage),
@@ -273,10 +281,13 @@ class _RequestTrace:
             self.trace_id,
             self._flags,
             self._client,
-            self._root,
-            self._started,
-            end,
+            clock,
+            ctx.started,
+            ended,
             facts,
+            self._stages,
+            self.stage_ends,
+            self._failed,
             self._ended,
         )
         self._tracing.export.send(record)
@@ -323,10 +334,6 @@ def _endpoint(ctx: RequestContext, endpoint: Endpoint) -> PickFacts:
     if prefix is None:
         return (endpoint.name, endpoint.pool, None, None)
     return (endpoint.name, endpoint.pool, _predicted(ctx, endpoint.name), prefix.prompt_tokens)
-
-
-def _picked(ctx: RequestContext) -> PickFacts | None:
-    return None if ctx.endpoint is None else _endpoint(ctx, ctx.endpoint)
 
 
 def _usage(usage: dict[str, Any] | None) -> UsageCounts | None:

@@ -11,6 +11,9 @@ str, int, float, bool, None), so it crosses a pipe as is.
 
 from __future__ import annotations
 
+import functools
+import random
+from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol, cast
 
 from opentelemetry.sdk.resources import Resource
@@ -29,21 +32,49 @@ PickFacts = tuple[str, str, int | None, int | None]
 # tokens predicted cached there (None: not prefix-aware); when it ended, the request's usage
 # and the model the engine named.
 AttemptFacts = tuple[str, str, str, str, int, int, int | None, UsageCounts | None, str | None]
-# One span of a request other than the request's own: name (for an attempt, the model sent to
-# the engine), kind (SpanKind's value), span id, parent span id (the request's, or another
-# step's), start and end (ns since the epoch), the error code that failed it (None: none), and
-# its facts: AttemptFacts for an attempt (CLIENT kind), PickFacts or None for `kvgate.pick`,
-# else its attributes or None. The auth, classify and admission stages carry no facts of their
-# own: theirs are the request's (RequestFacts), which do not change after those stages.
-StepFacts = AttemptFacts | PickFacts | Attributes | None
-SpanRecord = tuple[str, int, int, int, int, int, str | None, StepFacts]
+# A step's facts: AttemptFacts for an attempt (CLIENT kind), else its attributes or None.
+StepFacts = AttemptFacts | Attributes | None
+# One span of a request that is neither the request's nor a stage's (an attempt, a wait, a
+# resume): name (for an attempt, the model sent to the engine), kind (SpanKind's value), span
+# id, parent (ROOT: the request's span; `stage_parent(k)`: stage k's; else another step's span
+# id), start and end (`time.perf_counter()`), the error code that failed it (None: none), and
+# its facts.
+SpanRecord = tuple[str, int, int, int, float, float, str | None, StepFacts]
 # The client's span a request continues: its span id, trace flags and `tracestate` header.
 ClientParent = tuple[int, int, str]
+# When a stage failed (`time.perf_counter()`), and the error code that failed it.
+StageFailure = tuple[float, str]
 # One request's trace: trace id, trace flags of its spans, the client's span (None: a new
-# trace), the request's span id, start and end (ns since the epoch), the request's facts (a
-# RequestFacts as a plain tuple, its fields in order), and its other spans in the order they
-# ended.
-TraceRecord = tuple[int, int, ClientParent | None, int, int, int, tuple[Any, ...], list[SpanRecord]]
+# trace), the clock (ns since the epoch at `time.perf_counter()` 0), the request's start and
+# end (`time.perf_counter()`), the request's facts (a RequestFacts as a plain tuple, its
+# fields in order), the chain's stage names, when the stages started and then when each
+# ended, the stage that failed (the one after the last that ended; None: none), and the
+# steps in the order they ended. The request's span and its stages' get their span ids when
+# the spans are made: none of them leaves the gateway.
+TraceRecord = tuple[
+    int,
+    int,
+    ClientParent | None,
+    int,
+    float,
+    float,
+    tuple[Any, ...],
+    tuple[str, ...],
+    list[float],
+    StageFailure | None,
+    list[SpanRecord],
+]
+# The parent of a span that is the request's own child.
+ROOT = 0
+# Stages that only read the config and the fleet's state (no I/O, no waiting), whose outcome
+# the request span records (a fallback model: `kvgate.model`; the responses gate's 404: the
+# request's status): a span each would cost as much as a real stage's and show nothing.
+FOLDED = frozenset({"kvgate.responses", "kvgate.model_fallback"})
+
+
+def stage_parent(stage: int) -> int:
+    """The parent (SpanRecord) that names the span of the chain's `stage`-th stage."""
+    return -1 - stage
 
 
 class RequestFacts(NamedTuple):
@@ -69,8 +100,10 @@ class RequestFacts(NamedTuple):
     # estimate and the completion tokens admitted (None: not classified).
     intent: tuple[str, str | None, int, int] | None
     priority: int
-    # The last endpoint chosen (None: none), and its engine kind.
+    # The last endpoint chosen (None: none), the one the pick stage chose, and the last's
+    # engine kind.
     endpoint: PickFacts | None
+    picked: PickFacts | None
     engine: str | None
     # Seconds from arrival to the first event relayed (None: none relayed).
     first_token: float | None
@@ -95,6 +128,7 @@ SAMPLED = TraceFlags.SAMPLED
 # The SDK marks a trace id it drew at random (W3C Trace Context level 2); kvgate's are.
 NEW_TRACE_FLAGS = TraceFlags.SAMPLED | TraceFlags.RANDOM_TRACE_ID
 CLIENT = SpanKind.CLIENT.value
+_INTERNAL = SpanKind.INTERNAL.value
 _KINDS = {kind.value: kind for kind in SpanKind}
 _UNSET = Status(StatusCode.UNSET)
 # gen_ai.operation.name by route (the Responses API is OpenAI's newer chat interface).
@@ -111,11 +145,35 @@ def scope(version: str) -> InstrumentationScope:
     return InstrumentationScope("kvgate", version)
 
 
+def new_span_id() -> int:
+    """A span id as the SDK draws one (64 random bits, never 0)."""
+    while True:
+        drawn = random.getrandbits(64)
+        if drawn:
+            return drawn
+
+
+def span_count(record: TraceRecord) -> int:
+    """How many spans `readable_spans` makes of `record`."""
+    ends, failed = record[8], record[9]
+    return 1 + len(record[10]) + _stage_spans(record[7], len(ends) - (failed is None))
+
+
+@functools.lru_cache(maxsize=64)
+def _stage_spans(stages: tuple[str, ...], started: int) -> int:
+    """Spans of the first `started` of these stages (the folded ones make none)."""
+    return sum(1 for name in stages[:started] if name not in FOLDED)
+
+
 def readable_spans(
-    record: TraceRecord, resource: Resource, instrumentation: InstrumentationScope
+    record: TraceRecord,
+    resource: Resource,
+    instrumentation: InstrumentationScope,
+    span_ids: Callable[[], int] = new_span_id,
 ) -> list[ReadableSpan]:
-    """The SDK spans of one request's trace, in the order they ended (the request's last)."""
-    trace_id, flags, client, root_id, started, ended, recorded, steps = record
+    """The SDK spans of one request's trace, in the order they ended (the request's last).
+    `span_ids` draws the ids of the request's span and its stages' (in that order)."""
+    trace_id, flags, client, clock, started, ended, recorded, stages, ends, failed, steps = record
     facts = RequestFacts._make(recorded)
     operation = _OPERATIONS.get(facts.route, facts.route)
     trace_flags = TraceFlags(flags)
@@ -123,60 +181,85 @@ def readable_spans(
     parent: SpanContext | None = None
     if client is not None:
         parent = SpanContext(trace_id, client[0], True, TraceFlags(client[1]), trace_state)
-    contexts = {
-        span_id: SpanContext(trace_id, span_id, False, trace_flags, trace_state)
-        for span_id in (root_id, *(step[2] for step in steps))
-    }
+
+    def context(span_id: int) -> SpanContext:
+        return SpanContext(trace_id, span_id, False, trace_flags, trace_state)
+
+    def ns(time: float) -> int:
+        return clock + round(time * 1e9)
 
     def span(
         name: str,
         kind: int,
-        span_id: int,
+        own: SpanContext,
         parent_context: SpanContext | None,
-        start: int,
-        end: int,
+        start: float,
+        end: float,
         attributes: Attributes,
-        status: Status,
-    ) -> ReadableSpan:
-        return ReadableSpan(
+        error: str | None,
+    ) -> tuple[float, ReadableSpan]:
+        status = _UNSET
+        if error is not None:
+            attributes["error.type"] = error
+            status = Status(StatusCode.ERROR, error)
+        made = ReadableSpan(
             name=name,
-            context=contexts[span_id],
+            context=own,
             parent=parent_context,
             resource=resource,
             attributes=attributes,
             kind=_KINDS[kind],
             status=status,
-            start_time=start,
-            end_time=end,
+            start_time=ns(start),
+            end_time=ns(end),
             instrumentation_scope=instrumentation,
         )
+        return end, made
 
-    spans = []
-    for name, kind, span_id, parent_id, start, end, error, step_facts in steps:
+    root = context(span_ids())
+    # Each stage's span context; a folded stage's children are the request's.
+    stage_contexts: list[SpanContext] = []
+    made: list[tuple[float, ReadableSpan]] = []
+    for k in range(len(ends) - (failed is None)):
+        name = stages[k]
+        if name in FOLDED:
+            stage_contexts.append(root)
+            continue
+        own = context(span_ids())
+        stage_contexts.append(own)
+        end, error = (ends[k + 1], None) if k + 1 < len(ends) else cast(StageFailure, failed)
+        attributes = _stage(name, facts)
+        made.append(span(name, _INTERNAL, own, root, ends[k], end, attributes, error))
+    step_contexts = {step[2]: context(step[2]) for step in steps}
+    for name, kind, span_id, parent_ref, start, end, error, step_facts in steps:
+        if parent_ref == ROOT:
+            parent_context = root
+        elif parent_ref < 0:
+            parent_context = stage_contexts[-1 - parent_ref]
+        else:
+            parent_context = step_contexts[parent_ref]
         if kind == CLIENT:
             attributes = _attempt(operation, name, cast(AttemptFacts, step_facts))
             name = f"{operation} {name}"
         else:
-            attributes = _step(name, facts, step_facts)
-        status = _UNSET
-        if error is not None:
-            attributes["error.type"] = error
-            status = Status(StatusCode.ERROR, error)
-        spans.append(span(name, kind, span_id, contexts[parent_id], start, end, attributes, status))
+            attributes = dict(cast(Attributes, step_facts or {}))
+        own = step_contexts[span_id]
+        made.append(span(name, kind, own, parent_context, start, end, attributes, error))
+    made.sort(key=lambda ended_span: ended_span[0])
     attributes, status = _request(operation, facts)
-    spans.append(
-        span(
-            f"POST {facts.path}",
-            SpanKind.SERVER.value,
-            root_id,
-            parent,
-            started,
-            ended,
-            attributes,
-            status,
-        )
+    request = ReadableSpan(
+        name=f"POST {facts.path}",
+        context=root,
+        parent=parent,
+        resource=resource,
+        attributes=attributes,
+        kind=SpanKind.SERVER,
+        status=status,
+        start_time=ns(started),
+        end_time=ns(ended),
+        instrumentation_scope=instrumentation,
     )
-    return spans
+    return [*(s for _, s in made), request]
 
 
 def _request(operation: str, facts: RequestFacts) -> tuple[Attributes, Status]:
@@ -213,8 +296,8 @@ def _request(operation: str, facts: RequestFacts) -> tuple[Attributes, Status]:
     return attributes, _UNSET
 
 
-def _step(name: str, facts: RequestFacts, step_facts: object) -> Attributes:
-    """A step's attributes: what its stage decided, or what it recorded."""
+def _stage(name: str, facts: RequestFacts) -> Attributes:
+    """A stage's attributes: what it decided."""
     attributes: Attributes = {}
     if name == "kvgate.auth":
         _tenant(attributes, facts)
@@ -222,11 +305,8 @@ def _step(name: str, facts: RequestFacts, step_facts: object) -> Attributes:
         _intent(attributes, facts)
     elif name == "kvgate.admission":
         attributes["kvgate.priority"] = facts.priority
-    elif name == "kvgate.pick":
-        if step_facts is not None:
-            _endpoint(attributes, cast(PickFacts, step_facts))
-    elif step_facts is not None:
-        attributes.update(cast(Attributes, step_facts))
+    elif name == "kvgate.pick" and facts.picked is not None:
+        _endpoint(attributes, facts.picked)
     return attributes
 
 

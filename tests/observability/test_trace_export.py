@@ -34,6 +34,7 @@ from kvgate.observability.exporter_process import FLUSH_SECONDS, ExporterProcess
 from kvgate.observability.span_export_child import _OnceHashedResource
 from kvgate.observability.span_records import (
     NEW_TRACE_FLAGS,
+    ROOT,
     SAMPLED,
     ClientParent,
     RequestFacts,
@@ -41,6 +42,8 @@ from kvgate.observability.span_records import (
     TraceRecord,
     readable_spans,
     scope,
+    span_count,
+    stage_parent,
 )
 from kvgate.sim import EngineOptions, SimFleet
 from tests.conftest import gateway_config
@@ -51,7 +54,7 @@ from tests.servers import ServerThread
 
 TRACE = 0x4BF92F3577B34DA6A3CE929D0E0E4736
 CLIENT_SPAN = 0x00F067AA0BA902B7
-ROOT, AUTH, ATTEMPT = 0x1111, 0x2222, 0x3333
+REQUEST_SPAN, AUTH, PICK, ATTEMPT = 0x1111, 0x2222, 0x2233, 0x3333
 RESOURCE = Resource({"service.name": "kvgate", "service.version": __version__})
 
 
@@ -90,6 +93,7 @@ FACTS = RequestFacts(
     intent=("interactive", None, 12, 64),
     priority=100,
     endpoint=("e1", "main", 8, 12),
+    picked=("e1", "main", 8, 12),
     engine="vllm",
     first_token=0.25,
     usage=(12, 7, None),
@@ -122,11 +126,12 @@ REQUEST_ATTRIBUTES = {
     "gen_ai.usage.output_tokens": 7,
     "gen_ai.response.model": "sim-model",
 }
-AUTH_ATTRIBUTES = {
-    "kvgate.tenant": "acme",
-    "kvgate.tier": "gold",
-    "kvgate.key_id": "k-1",
-    "error.type": "invalid_api_key",
+AUTH_ATTRIBUTES = {"kvgate.tenant": "acme", "kvgate.tier": "gold", "kvgate.key_id": "k-1"}
+PICK_ATTRIBUTES = {
+    "kvgate.endpoint": "e1",
+    "kvgate.pool": "main",
+    "kvgate.prefix.predicted_tokens": 8,
+    "kvgate.prefix.prompt_tokens": 12,
 }
 ATTEMPT_ATTRIBUTES = {
     "gen_ai.operation.name": "chat",
@@ -150,7 +155,7 @@ def _made_by_the_sdk(client: ClientParent | None) -> list[ReadableSpan]:
     provider = TracerProvider(
         sampler=ALWAYS_ON,
         resource=RESOURCE,
-        id_generator=_FixedIds([ROOT, AUTH, ATTEMPT]),
+        id_generator=_FixedIds([REQUEST_SPAN, AUTH, PICK, ATTEMPT]),
         shutdown_on_exit=False,
     )
     provider.add_span_processor(SimpleSpanProcessor(exporter))
@@ -165,12 +170,16 @@ def _made_by_the_sdk(client: ClientParent | None) -> list[ReadableSpan]:
     )
     auth = tracer.start_span("kvgate.auth", context=set_span_in_context(root), start_time=1_100)
     auth.set_attributes(AUTH_ATTRIBUTES)
-    auth.set_status(Status(StatusCode.ERROR, "invalid_api_key"))
     auth.end(1_200)
+    pick = tracer.start_span("kvgate.pick", context=set_span_in_context(root), start_time=1_200)
+    pick.set_attributes(PICK_ATTRIBUTES)
+    pick.end(1_250)
     attempt = tracer.start_span(
         "chat sim-model", context=set_span_in_context(root), kind=SpanKind.CLIENT, start_time=1_300
     )
     attempt.set_attributes(ATTEMPT_ATTRIBUTES)
+    attempt.set_attribute("error.type", "upstream_timeout")
+    attempt.set_status(Status(StatusCode.ERROR, "upstream_timeout"))
     attempt.end(1_400)
     root.set_attributes(REQUEST_ATTRIBUTES)
     root.end(1_500)
@@ -178,23 +187,91 @@ def _made_by_the_sdk(client: ClientParent | None) -> list[ReadableSpan]:
     return list(exporter.get_finished_spans())
 
 
+def _ns(count: int) -> float:
+    """`count` ns as a `time.perf_counter()` reading (the records' clock is 0 here)."""
+    return count * 1e-9
+
+
 def _recorded(client: ClientParent | None) -> TraceRecord:
     """The same request as kvgate records it."""
     flags = NEW_TRACE_FLAGS if client is None else SAMPLED
     attempt = ("e1", "main", "vllm", "127.0.0.1", 9000, 1, 8, (12, 7, None), "sim-model")
-    internal, client_kind = SpanKind.INTERNAL.value, SpanKind.CLIENT.value
+    client_kind = SpanKind.CLIENT.value
     steps: list[SpanRecord] = [
-        ("kvgate.auth", internal, AUTH, ROOT, 1_100, 1_200, "invalid_api_key", None),
-        ("sim-model", client_kind, ATTEMPT, ROOT, 1_300, 1_400, None, attempt),
+        (
+            "sim-model",
+            client_kind,
+            ATTEMPT,
+            ROOT,
+            _ns(1_300),
+            _ns(1_400),
+            "upstream_timeout",
+            attempt,
+        ),
     ]
-    return (TRACE, flags, client, ROOT, 1_000, 1_500, tuple(FACTS), steps)
+    stages = ("kvgate.auth", "kvgate.responses", "kvgate.pick")
+    ends = [_ns(1_100), _ns(1_200), _ns(1_200), _ns(1_250)]
+    return (
+        TRACE,
+        flags,
+        client,
+        0,
+        _ns(1_000),
+        _ns(1_500),
+        tuple(FACTS),
+        stages,
+        ends,
+        None,
+        steps,
+    )
 
 
 @pytest.mark.parametrize("client", [None, (CLIENT_SPAN, 1, "vendor=abc,other=1")])
 def test_a_record_becomes_the_spans_the_sdk_would_have_made(client):
     expected = encode_spans(_made_by_the_sdk(client)).SerializeToString()
-    built = readable_spans(_recorded(client), RESOURCE, scope(__version__))
+    ids = iter([REQUEST_SPAN, AUTH, PICK])
+    record = _recorded(client)
+    built = readable_spans(record, RESOURCE, scope(__version__), lambda: next(ids))
     assert encode_spans(built).SerializeToString() == expected
+    assert span_count(record) == len(built)
+
+
+def test_a_failed_stage_is_a_span_with_its_error_and_a_folded_stage_makes_none():
+    """Stages as the chain notes them: auth ended, the folded responses gate ended, classify
+    failed; a step opened during the folded stage is the request's child."""
+    wait = ("kvgate.wait", SpanKind.INTERNAL.value, 0x4444, stage_parent(1), 0.15, 0.16, None, None)
+    stages = ("kvgate.auth", "kvgate.responses", "kvgate.classify", "kvgate.pick")
+    failed = (0.3, "model_not_found")
+    facts = tuple(FACTS._replace(outcome="model_not_found", status=404))
+    record = (
+        TRACE,
+        NEW_TRACE_FLAGS,
+        None,
+        0,
+        0.0,
+        0.4,
+        facts,
+        stages,
+        [0.1, 0.2, 0.25],
+        failed,
+        [wait],
+    )
+    spans = {s.name: s for s in readable_spans(record, RESOURCE, scope(__version__))}
+    assert set(spans) == {
+        "kvgate.auth",
+        "kvgate.classify",
+        "kvgate.wait",
+        "POST /v1/chat/completions",
+    }
+    assert span_count(record) == len(spans)
+    classify, request = spans["kvgate.classify"], spans["POST /v1/chat/completions"]
+    assert (classify.start_time, classify.end_time) == (250_000_000, 300_000_000)
+    assert classify.status.status_code == StatusCode.ERROR
+    assert (classify.attributes or {})["error.type"] == "model_not_found"
+    assert spans["kvgate.auth"].status.status_code == StatusCode.UNSET
+    for child in (spans["kvgate.auth"], classify, spans["kvgate.wait"]):
+        assert child.parent is not None and request.context is not None
+        assert child.parent.span_id == request.context.span_id
 
 
 def _settings(endpoint: str) -> dict[str, object]:
@@ -209,18 +286,11 @@ def _settings(endpoint: str) -> dict[str, object]:
 
 def _trace(number: int) -> TraceRecord:
     """Trace `number`: a step and the request's span, each saying `number` (`_number`)."""
-    root = 2 * number + 1
-    steps: list[SpanRecord] = [("kvgate.step", 1, root + 1, root, 10, 20, None, {"n": number})]
-    return (
-        number + 1,
-        NEW_TRACE_FLAGS,
-        None,
-        root,
-        0,
-        30,
-        tuple(FACTS._replace(attempts=number)),
-        steps,
-    )
+    steps: list[SpanRecord] = [
+        ("kvgate.step", 1, 2 * number + 2, ROOT, 1e-8, 2e-8, None, {"n": number})
+    ]
+    facts = tuple(FACTS._replace(attempts=number))
+    return (number + 1, NEW_TRACE_FLAGS, None, 0, 0.0, 3e-8, facts, (), [0.0], None, steps)
 
 
 def _number(span: Span) -> int:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ from kvgate.app import GatewayApp
 from kvgate.config import ConfigError, TracingConfig, parse_config
 from kvgate.observability.tracing import build_tracing
 from kvgate.sim import EngineOptions, SimFleet
+from tests.chain.helpers import make_key, tenant
 from tests.conftest import gateway_config
 from tests.sdk_clients import sdk_client
 from tests.servers import ServerThread
@@ -182,6 +184,40 @@ def test_a_retry_is_two_attempt_spans(fleet, traced):
     assert "gen_ai.usage.output_tokens" not in failed.attributes
     engine = engine_of(fleet, served)
     assert engine.stats()["last_request"]["headers"]["traceparent"] == traceparent_of(served)
+    # The pick span says what the pick chose (the failing engine); the request's, the last.
+    [pick] = [s for s in children(exporter, retried) if s.name == "kvgate.pick"]
+    assert pick.attributes["kvgate.endpoint"] == failed.attributes["kvgate.endpoint"]
+    assert retried.attributes["kvgate.endpoint"] == served.attributes["kvgate.endpoint"]
+
+
+def test_a_wait_in_admission_is_a_child_of_the_admission_span(fleet, traced):
+    key, entry = make_key("a-1")
+    config = traced_config(fleet)
+    config["auth"] = {"tenants": [tenant("a", "silver", [entry], limits={"max_concurrent": 1})]}
+    _, server, exporter = traced(config)
+    for engine in fleet.engines:
+        engine.set_fault({"mode": "stall_after_tokens", "tokens": 1, "delay_ms": 500})
+    client = sdk_client(base_url=server.url + "/v1", api_key=key, max_retries=0)
+
+    def ask(text: str) -> None:
+        client.chat.completions.create(
+            model=MODEL, max_tokens=2, messages=[{"role": "user", "content": text}]
+        )
+
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(ask, "first")
+        time.sleep(0.2)  # the first holds the tenant's one place while it stalls
+        pool.submit(ask, "second").result()
+        first.result()
+    waits = [s for s in exporter.get_finished_spans() if s.name == "kvgate.admission.wait"]
+    assert len(waits) == 1 and waits[0].parent is not None
+    [admission] = [
+        s
+        for s in exporter.get_finished_spans()
+        if s.context is not None and s.context.span_id == waits[0].parent.span_id
+    ]
+    assert admission.name == "kvgate.admission"
+    assert admission.start_time <= waits[0].start_time <= waits[0].end_time <= admission.end_time
 
 
 def test_tracing_off_makes_no_trace_and_passes_the_clients_context_on(fleet, traced):
