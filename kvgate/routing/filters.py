@@ -108,7 +108,8 @@ class Jurisdiction:
 
 
 class LabelsParams(NoParams):
-    match: dict[str, str] = Field(default_factory=dict)
+    # Required and non-empty: a labels filter that names no label would keep every endpoint.
+    match: dict[str, str] = Field(min_length=1)
 
 
 class Labels:
@@ -117,8 +118,8 @@ class Labels:
     NAME = "labels"
     Params = LabelsParams
 
-    def __init__(self, params: LabelsParams | None = None) -> None:
-        self.params = params or self.Params()
+    def __init__(self, params: LabelsParams) -> None:
+        self.params = params
 
     def __call__(
         self, ctx: RequestContext, candidates: Sequence[EndpointLoad]

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from kvgate.chain.settings import LatencyClass
 from kvgate.globs import compile_globs
-from kvgate.routing.filters import NotSaturated
+from kvgate.routing.filters import Jurisdiction, NotSaturated
 from kvgate.routing.plugins import (
     FILTERS,
     PICKERS,
@@ -264,6 +264,11 @@ def _profile(
         _build(FILTERS, "filter", f, (*filters_where, i), problems)
         for i, f in enumerate(filter_specs)
     ]
+    if not any(isinstance(f, Jurisdiction) for f in filters):
+        # Residency is the tenant's, not the policy's to drop: a list without the filter gets
+        # it first (one that lists it chooses its place and the label it reads).
+        residency = FILTERS[Jurisdiction.NAME]
+        filters.insert(0, residency.create(residency.params()))
     scorer_specs = pick("scorers")
     scorers: list[tuple[Scorer, float]] = []
     if scorer_specs is None:
@@ -328,6 +333,16 @@ def build_policy(data: Any, source: str, document: YamlDocument | None = None) -
     problems: list[_Problem] = []
     default = _profile(spec, None, (), problems)
     profiles = [_profile(r, spec, ("rules", i), problems) for i, r in enumerate(spec.rules)]
+    named: dict[str, int] = {}
+    for i, rule in enumerate(spec.rules):
+        if rule.name is None:
+            continue
+        if rule.name in named:
+            # Explanations and metrics say which rule decided by its name.
+            problems.append(
+                (("rules", i, "name"), f"duplicate rule name, also rules[{named[rule.name]}]")
+            )
+        named.setdefault(rule.name, i)
     if problems:
         raise PolicyError(
             [

@@ -80,6 +80,20 @@ BAD = [
         {"rules": [{"match": {"latency_class": ["urgent"]}, "objective": "cost"}]},
         "rules[0].match.latency_class[0]: Input should be 'interactive', 'standard' or 'batch'",
     ),
+    (
+        {
+            "rules": [
+                {"name": "eu", "match": {"model": "a"}, "objective": "cost"},
+                {"name": "eu", "match": {"model": "b"}, "objective": "latency"},
+            ]
+        },
+        "rules[1].name: duplicate rule name, also rules[0]",
+    ),
+    ({"filters": ["labels"]}, "filters[0].params.match: Field required"),
+    (
+        {"filters": [{"type": "labels", "params": {"match": {}}}]},
+        "filters[0].params.match: Dictionary should have at least 1 item",
+    ),
 ]
 
 

@@ -12,8 +12,10 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+import yaml
 
 from kvgate.sim import EngineOptions, SimFleet
+from tests.chain.helpers import make_key, tenant
 from tests.conftest import gateway_config
 from tests.metrics_text import sample_value
 from tests.servers import ServerThread
@@ -214,3 +216,42 @@ def test_a_full_kv_cache_alone_holds_nothing_in_the_gateway(start_gateway, max_k
         )
         assert waited == (None if max_kv_usage is None else 1.0)
         assert len(app.admission.queue) == 0
+
+
+@pytest.mark.parametrize("where", ["policy", "rule"])
+def test_residency_holds_under_a_policy_whose_filters_leave_it_out(start_gateway, tmp_path, where):
+    """A policy (or one of its rules) that lists its own filters without `jurisdiction` still
+    keeps a tenant's requests in its jurisdiction: residency is not the policy's to drop."""
+    profile = {"filters": ["not_saturated"], "scorers": [], "picker": "round_robin"}
+    spec: dict[str, Any] = {"name": "no-residency", **profile}
+    if where == "rule":
+        spec = {"name": "no-residency", "rules": [{"name": "everyone", **profile}]}
+    policy = tmp_path / "no-residency.yaml"
+    policy.write_text(yaml.safe_dump(spec))
+    key, entry = make_key("globex-1")
+    globex = tenant("globex", "silver", [entry], residency=["eu"])
+    with SimFleet.in_thread(engines=2, options=EngineOptions(profile="fast")) as fleet:
+        config = gateway_config(
+            fleet.urls,
+            pool={"models": ["sim-model"], "policy": str(policy)},
+            auth={"tenants": [globex]},
+        )
+        for endpoint, place in zip(config["pools"][0]["endpoints"], ["us", "eu"], strict=True):
+            endpoint["labels"] = {"jurisdiction": place}
+        app, server = start_gateway(config)
+        [eu] = [e.name for e in app.fleet.endpoints if e.labels["jurisdiction"] == "eu"]
+        served = []
+        for i in range(6):
+            answer = httpx.post(
+                server.url + "/v1/chat/completions",
+                json={
+                    "model": "sim-model",
+                    "max_tokens": 2,
+                    "messages": [{"role": "user", "content": f"q{i}"}],
+                },
+                headers={"authorization": f"Bearer {key}"},
+                timeout=30,
+            )
+            assert answer.status_code == 200
+            served.append(answer.headers["x-kvgate-endpoint"])
+        assert served == [eu] * 6
