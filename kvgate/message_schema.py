@@ -1,14 +1,17 @@
 """The shape of chat `messages`, checked at ingress as OpenAI checks it, before any other work.
 
-    role        system | developer | user | assistant | tool | function
+    role        a non-empty string: OpenAI's system | developer | user | assistant | tool |
+                function, or any other role the model's chat template knows (vLLM passes
+                custom roles such as `ipython` or `document` to the template as they are)
     content     a string, or a non-empty array of typed parts (objects with a string `type`;
                 `text` parts carry a string `text`, `image_url` parts an object with a string
                 `url`, `refusal` parts a string `refusal`); other part types pass through for
                 the engine to judge (vLLM adds several), and so does a media part without a
                 `type` that carries one of vLLM's media keys (`image_url`, `video_url`, …:
                 vLLM takes the type from the key)
-    null        content may be null or absent only on an assistant message with `tool_calls`
-                or `function_call`, and on a `function` message
+    null        of OpenAI's roles, content may be null or absent only on an assistant message
+                with `tool_calls` or `function_call`, and on a `function` message; a custom
+                role's message may go without (its template decides)
     tool        a `tool` message needs a string `tool_call_id`
     name        a string when present; `tool_calls` an array of objects when present
 
@@ -50,7 +53,7 @@ def _invalid(path: str, message: str, code: str = "invalid_type") -> InvalidRequ
 
 def _may_omit_content(message: dict[str, Any]) -> bool:
     role = message["role"]
-    if role == "function":
+    if role == "function" or role not in ROLES:
         return True
     return role == "assistant" and (
         message.get("tool_calls") is not None or message.get("function_call") is not None
@@ -101,12 +104,10 @@ def check_message(message: Any, path: str) -> None:
     role = message.get("role")
     if role is None:
         raise _invalid(f"{path}.role", "'role' is required", code="missing_required_parameter")
-    if not isinstance(role, str) or role not in ROLES:
-        raise _invalid(
-            f"{path}.role",
-            f"'role' must be one of {', '.join(sorted(ROLES))}",
-            code="invalid_value",
-        )
+    if not isinstance(role, str):
+        raise _invalid(f"{path}.role", "'role' must be a string")
+    if not role:
+        raise _invalid(f"{path}.role", "'role' must not be empty", code="invalid_value")
     _check_content(message, f"{path}.content")
     name = message.get("name")
     if name is not None and not isinstance(name, str):

@@ -73,7 +73,12 @@ def _assert_openai_error(
         (CHAT_URL, b'{"model": "m1", "messages": [{"role": "user"}]}', "messages[0].content"),
         (
             CHAT_URL,
-            b'{"model": "m1", "messages": [{"role": "hacker", "content": "x"}]}',
+            b'{"model": "m1", "messages": [{"role": 7, "content": "x"}]}',
+            "messages[0].role",
+        ),
+        (
+            CHAT_URL,
+            b'{"model": "m1", "messages": [{"role": "", "content": "x"}]}',
             "messages[0].role",
         ),
         (
@@ -129,6 +134,19 @@ def test_invalid_bodies_are_400_naming_the_field(upstream, gateway, path, body, 
         ("/v1/completions", {"model": "m1", "prompt_embeds": ["AAAA", "BBBB"]}),
         # vLLM's chat embeddings: messages in place of input.
         ("/v1/embeddings", {"model": "m1", "messages": MSGS}),
+        # Roles of the model's chat template beyond OpenAI's: vLLM passes them on.
+        (
+            CHAT_URL,
+            {
+                "model": "m1",
+                "messages": [
+                    {"role": "system", "content": "Environment: ipython"},
+                    {"role": "user", "content": "2+2?"},
+                    {"role": "ipython", "content": "4"},
+                    {"role": "document", "content": None},
+                ],
+            },
+        ),
         # A media part without `type`: vLLM takes the type from its key.
         (
             CHAT_URL,
