@@ -1,7 +1,8 @@
 """The trace exporter process: reads finished request traces from its stdin (frames written by
 kvgate/observability/exporter_process.py), builds the OpenTelemetry SDK spans they stand for
-and exports them with the official exporters, in batches of up to 512 spans: whatever has
-arrived is exported as soon as the pipe has nothing more to read. At end of input (the gateway
+and exports them with the official exporters, batched as the SDK's batch span processor
+batches: an export when 512 spans wait, or when the oldest has waited 5 s
+(OTEL_BSP_MAX_EXPORT_BATCH_SIZE, OTEL_BSP_SCHEDULE_DELAY in ms). At end of input (the gateway
 stopped, or died) it exports what it holds, shuts the exporters down and exits. After each
 batch it writes how many spans it has handled so far to ACK_FD (a pipe back to the gateway,
 which counts what a process that died took with it).
@@ -18,10 +19,12 @@ from __future__ import annotations
 import json
 import logging
 import marshal
+import math
 import os
 import select
 import signal
 import sys
+import time
 from contextlib import suppress
 
 from opentelemetry.sdk.resources import Resource
@@ -29,12 +32,13 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from kvgate.observability.exporter_process import ACK, FRAME
-from kvgate.observability.span_records import readable_spans, scope
+from kvgate.observability.span_records import TraceRecord, readable_spans, scope, span_count
 from kvgate.observability.tracing import span_exporter
 
 log = logging.getLogger("kvgate.tracing")
-# The SDK batch processor's default export batch size.
+# The SDK batch span processor's defaults: spans per export, and the longest a span waits.
 MAX_BATCH = 512
+SCHEDULE_DELAY_MS = 5000.0
 _READ_BYTES = 1 << 20
 # Where the SCHED_IDLE policy does not exist (not Linux) or is refused.
 NICE = 10
@@ -56,15 +60,25 @@ def main(settings: dict[str, object], ack_fd: int) -> None:
     assert isinstance(attributes, dict)
     resource = _OnceHashedResource(attributes, str(settings["schema_url"]) or None)
     instrumentation = scope(str(settings["version"]))
+    batch_size, delay = _batching()
     stdin = sys.stdin.fileno()
     received = bytearray()
-    spans: list[ReadableSpan] = []
+    waiting: list[TraceRecord] = []
+    waiting_spans = 0
+    due = math.inf  # when the oldest waiting trace must be exported
     handled = _Handled(ack_fd)
+
+    def export(records: list[TraceRecord]) -> None:
+        spans = [s for record in records for s in readable_spans(record, resource, instrumentation)]
+        for start in range(0, len(spans), batch_size):
+            part = spans[start : start + batch_size]
+            _export(exporters, part)
+            handled.add(len(part))
+
     while True:
-        if spans and not select.select([stdin], [], [], 0)[0]:
-            _export(exporters, spans)
-            handled.add(len(spans))
-            spans = []
+        if waiting and not select.select([stdin], [], [], max(0.0, due - time.monotonic()))[0]:
+            export(waiting)
+            waiting, waiting_spans, due = [], 0, math.inf
             continue
         chunk = os.read(stdin, _READ_BYTES)
         if not chunk:
@@ -77,17 +91,42 @@ def main(settings: dict[str, object], ack_fd: int) -> None:
             if len(received) - start < size:
                 break
             for record in marshal.loads(received[start : start + size]):
-                spans += readable_spans(record, resource, instrumentation)
+                waiting.append(record)
+                waiting_spans += span_count(record)
             offset = start + size
         del received[:offset]
-        while len(spans) >= MAX_BATCH:
-            _export(exporters, spans[:MAX_BATCH])
-            handled.add(MAX_BATCH)
-            del spans[:MAX_BATCH]
-    _export(exporters, spans)
-    handled.add(len(spans))
+        if waiting and due == math.inf:
+            due = time.monotonic() + delay
+        if waiting_spans >= batch_size:
+            export(waiting)
+            waiting, waiting_spans, due = [], 0, math.inf
+    export(waiting)
     for exporter in exporters:
         exporter.shutdown()
+
+
+def _batching() -> tuple[int, float]:
+    """The export batch size and the longest a trace waits for its batch, from the variables
+    the SDK's batch span processor reads (OTEL_BSP_MAX_EXPORT_BATCH_SIZE, default 512;
+    OTEL_BSP_SCHEDULE_DELAY in ms, default 5000); a value that is not a positive number is
+    reported and the default used, as the SDK does."""
+    size = _positive("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", MAX_BATCH)
+    delay_ms = _positive("OTEL_BSP_SCHEDULE_DELAY", SCHEDULE_DELAY_MS)
+    return int(size), delay_ms / 1000
+
+
+def _positive(variable: str, default: float) -> float:
+    text = os.environ.get(variable)
+    if text is None:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0 or not math.isfinite(value):
+        log.warning("%s=%r is not a positive number: using %g", variable, text, default)
+        return default
+    return value
 
 
 def _run_when_idle() -> None:

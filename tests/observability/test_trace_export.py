@@ -31,7 +31,7 @@ from kvgate import __version__
 from kvgate.app import GatewayApp
 from kvgate.config import parse_config
 from kvgate.observability.exporter_process import FLUSH_SECONDS, ExporterProcess
-from kvgate.observability.span_export_child import _OnceHashedResource
+from kvgate.observability.span_export_child import _batching, _OnceHashedResource
 from kvgate.observability.span_records import (
     NEW_TRACE_FLAGS,
     ROOT,
@@ -274,6 +274,12 @@ def test_a_failed_stage_is_a_span_with_its_error_and_a_folded_stage_makes_none()
         assert child.parent.span_id == request.context.span_id
 
 
+@pytest.fixture(autouse=True)
+def _short_batch_delay(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exporter processes started here wait 50 ms for a batch to fill, not the SDK's 5 s."""
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+
+
 def _settings(endpoint: str) -> dict[str, object]:
     return {
         "exporters": ["otlp"],
@@ -338,6 +344,40 @@ async def _until(condition: Callable[[], object]) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         await asyncio.sleep(0.01)
+
+
+def test_spans_wait_for_a_full_batch_or_the_schedule_delay_as_the_sdk_batches_them(monkeypatch):
+    """OTEL_BSP_MAX_EXPORT_BATCH_SIZE spans make an export at once; fewer wait for
+    OTEL_BSP_SCHEDULE_DELAY; a value that is not a positive number leaves the default."""
+    monkeypatch.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "8")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "1500")
+
+    async def scenario(collector: OtlpCollector) -> tuple[int, int, float]:
+        export = ExporterProcess(_settings(collector.endpoint), lambda spans: None)
+        await export.start()
+        for number in range(4):  # eight spans: a full batch
+            export.send(_trace(number))
+        await _until(lambda: len(collector.spans) == 8)
+        export.send(_trace(4))  # two spans: they wait for the delay
+        sent = time.monotonic()
+        await asyncio.sleep(0.5)
+        early = len(collector.spans)
+        await _until(lambda: len(collector.spans) == 10)
+        waited = time.monotonic() - sent
+        await export.stop()
+        return early, len(collector.spans), waited
+
+    with OtlpCollector() as collector:
+        early, total, waited = asyncio.run(scenario(collector))
+    assert (early, total) == (8, 10)
+    assert waited >= 1.4
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "soon", "nan"])
+def test_a_batch_setting_that_is_not_a_positive_number_leaves_the_default(monkeypatch, value):
+    monkeypatch.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", value)
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", value)
+    assert _batching() == (512, 5.0)
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling policy")
