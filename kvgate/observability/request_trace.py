@@ -36,6 +36,7 @@ from kvgate.observability.span_records import (
     StepFacts,
     TraceExport,
     UsageCounts,
+    new_span_id,
     stage_parent,
 )
 from kvgate.routing.endpoints import Endpoint
@@ -103,7 +104,7 @@ class _Step:
         self.kind = kind
         self.facts = facts
         self._done = False
-        self.span_id = _span_id()
+        self.span_id = new_span_id()
         self.parent = trace.innermost()
         self.start = time.perf_counter()
 
@@ -312,13 +313,6 @@ def _client_parent(headers: Headers) -> _ClientContext | None:
 def _trace_id() -> int:
     while True:
         drawn = random.getrandbits(128)
-        if drawn:
-            return drawn
-
-
-def _span_id() -> int:
-    while True:
-        drawn = random.getrandbits(64)
         if drawn:
             return drawn
 
