@@ -24,7 +24,7 @@ ROUTES = {
     "completions": "/v1/completions",
     "embeddings": "/v1/embeddings",
 }
-ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
+OPENAI_ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 VALID: list[tuple[str, dict[str, Any]]] = [
     (
         "chat",
@@ -191,12 +191,14 @@ def _part_ok(part: Any) -> bool:
 def _message_ok(message: Any) -> bool:
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         return False
-    if message["role"] not in ROLES:
+    if not message["role"]:
         return False
     role, content = message["role"], message.get("content")
     if content is None:
+        # Of OpenAI's roles only these go without content; a chat template's own role
+        # (vLLM passes custom roles on) may.
         calls = message.get("tool_calls") is not None or message.get("function_call") is not None
-        if not (role == "function" or (role == "assistant" and calls)):
+        if role in OPENAI_ROLES and not (role == "function" or (role == "assistant" and calls)):
             return False
     elif not isinstance(content, str) and (
         not isinstance(content, list) or not content or not all(map(_part_ok, content))
