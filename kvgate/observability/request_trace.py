@@ -253,6 +253,7 @@ class _RequestTrace:
         # The pick stage's choice: the first attempt goes to it; without one the context
         # still names it (only a retry changes it).
         picked = self._first_attempt or endpoint
+        last = None if endpoint is None else _endpoint(ctx, endpoint)
         facts = (  # a span_records.RequestFacts, field by field
             ctx.route,
             ctx.upstream_path,
@@ -271,8 +272,8 @@ class _RequestTrace:
             if intent is None
             else (intent.latency_class, intent.rule, intent.prompt_tokens, intent.max_tokens),
             ctx.priority,
-            None if endpoint is None else _endpoint(ctx, endpoint),
-            None if picked is None else _endpoint(ctx, picked),
+            last,
+            last if picked is endpoint else None if picked is None else _endpoint(ctx, picked),
             None if endpoint is None else endpoint.engine,
             None if first_token is None else first_token - ctx.started,
             _usage(ctx.usage),

@@ -196,13 +196,9 @@ def readable_spans(
         start: float,
         end: float,
         attributes: Attributes,
-        error: str | None,
-    ) -> tuple[float, ReadableSpan]:
-        status = _UNSET
-        if error is not None:
-            attributes["error.type"] = error
-            status = Status(StatusCode.ERROR, error)
-        made = ReadableSpan(
+        status: Status,
+    ) -> ReadableSpan:
+        return ReadableSpan(
             name=name,
             context=own,
             parent=parent_context,
@@ -214,7 +210,6 @@ def readable_spans(
             end_time=ns(end),
             instrumentation_scope=instrumentation,
         )
-        return end, made
 
     root = context(span_ids())
     # Each stage's span context; a folded stage's children are the request's.
@@ -229,7 +224,8 @@ def readable_spans(
         stage_contexts.append(own)
         end, error = (ends[k + 1], None) if k + 1 < len(ends) else cast(StageFailure, failed)
         attributes = _stage(name, facts)
-        made.append(span(name, _INTERNAL, own, root, ends[k], end, attributes, error))
+        status = _failed(attributes, error)
+        made.append((end, span(name, _INTERNAL, own, root, ends[k], end, attributes, status)))
     step_contexts = {step[2]: context(step[2]) for step in steps}
     for name, kind, span_id, parent_ref, start, end, error, step_facts in steps:
         if parent_ref == ROOT:
@@ -244,22 +240,21 @@ def readable_spans(
         else:
             attributes = dict(cast(Attributes, step_facts or {}))
         own = step_contexts[span_id]
-        made.append(span(name, kind, own, parent_context, start, end, attributes, error))
+        status = _failed(attributes, error)
+        made.append((end, span(name, kind, own, parent_context, start, end, attributes, status)))
     made.sort(key=lambda ended_span: ended_span[0])
     attributes, status = _request(operation, facts)
-    request = ReadableSpan(
-        name=f"POST {facts.path}",
-        context=root,
-        parent=parent,
-        resource=resource,
-        attributes=attributes,
-        kind=SpanKind.SERVER,
-        status=status,
-        start_time=ns(started),
-        end_time=ns(ended),
-        instrumentation_scope=instrumentation,
-    )
+    server = SpanKind.SERVER.value
+    request = span(f"POST {facts.path}", server, root, parent, started, ended, attributes, status)
     return [*(s for _, s in made), request]
+
+
+def _failed(attributes: Attributes, error: str | None) -> Status:
+    """A stage's or step's status; a failed one's error code also goes in `error.type`."""
+    if error is None:
+        return _UNSET
+    attributes["error.type"] = error
+    return Status(StatusCode.ERROR, error)
 
 
 def _request(operation: str, facts: RequestFacts) -> tuple[Attributes, Status]:
