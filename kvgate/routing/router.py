@@ -132,22 +132,37 @@ class PolicyPicker:
         saturated (its pools, then its fallback pool), else None. Not when there is no such
         endpoint at all (drained, unhealthy, or kept out by residency and the other filters):
         saturation is what the fallback answers, and the request then gets the 503 that
-        says why, for the model it asked for."""
+        says why, for the model it asked for. Whether the smaller model can take the request
+        is its own pool's question (`PoolRouter.fallback_model`)."""
         profile, _ = self.policy.profile_for(ctx)
         if profile.fallback_model is None:
             return None
         pools = [profile.pools or (self.pool,)]
         if profile.fallback_pool is not None:
             pools.append((profile.fallback_pool,))
-        now = time.monotonic()
         usable = False
         for names in pools:
-            endpoints = self.fleet.serving(ctx.model, pools=names)
-            loads = _filtered(ctx, profile.plain_filters, [EndpointLoad(e, now) for e in endpoints])
-            usable = usable or bool(loads)
-            if _filtered(ctx, profile.saturation_filters, loads):
+            some, unsaturated = self.availability(ctx, ctx.model, profile, names)
+            if unsaturated:
                 return None
+            usable = usable or some
         return profile.fallback_model if usable else None
+
+    def has_unsaturated(self, ctx: RequestContext, model: str) -> bool:
+        """Whether `model` has an endpoint in this pool's policy's candidate pools that
+        passes the policy's filters for `ctx`, saturation included."""
+        profile, _ = self.policy.profile_for(ctx)
+        return self.availability(ctx, model, profile, profile.pools or (self.pool,))[1]
+
+    def availability(
+        self, ctx: RequestContext, model: str, profile: RoutingProfile, pools: Collection[str]
+    ) -> tuple[bool, bool]:
+        """Whether `model` has endpoints in `pools` that pass `profile`'s filters for `ctx`,
+        and whether any of them also passes its saturation filters."""
+        now = time.monotonic()
+        endpoints = self.fleet.serving(model, pools=pools)
+        loads = _filtered(ctx, profile.plain_filters, [EndpointLoad(e, now) for e in endpoints])
+        return bool(loads), bool(loads) and bool(_filtered(ctx, profile.saturation_filters, loads))
 
     def _choose(
         self,
@@ -298,8 +313,20 @@ class PoolRouter:
             picker.refused(ctx, endpoint)
 
     def fallback_model(self, ctx: RequestContext) -> str | None:
+        """The model `ctx` falls back to, or None. A fallback model is taken only when its
+        own pool (the first serving it, whose policy routes it) has an endpoint that passes
+        that policy's filters and is not saturated: one nobody serves, or whose endpoints
+        are all down, drained, kept out or saturated too, would turn a request the requested
+        model could still queue for into a refusal or a wait for a model it did not ask
+        for."""
         pool = self.fleet.home_pool(ctx.model)
-        return self.pickers[pool].fallback_model(ctx) if pool is not None else None
+        model = self.pickers[pool].fallback_model(ctx) if pool is not None else None
+        if model is None:
+            return None
+        home = self.fleet.home_pool(model)
+        if home is None or not self.pickers[home].has_unsaturated(ctx, model):
+            return None
+        return model
 
     def uncached_tokens(self, ctx: RequestContext) -> int:
         pool = self.fleet.home_pool(ctx.model)

@@ -157,6 +157,38 @@ async def test_model_fallback_is_settled_before_admission_and_picking_follows():
     assert elsewhere.model == "m"
 
 
+async def test_no_fallback_to_a_model_that_cannot_take_the_request_either():
+    """The smaller model is taken only where its own pool has an endpoint to use that is
+    not saturated; otherwise the request keeps the model it asked for (and queues for it)."""
+    a = endpoint("a", telemetry=telemetry(waiting=9))
+    small = endpoint("small", model="m-small", pool="spare", telemetry=telemetry(waiting=0))
+
+    def router_to(model: str) -> PoolRouter:
+        picker, services = _picker(
+            a, small, policy=build_policy({"fallback": {"model": model}}, "p")
+        )
+        spare = PolicyPicker(picker.fleet, "spare", builtin_policy("kvgate"), services)
+        return PoolRouter(picker.fleet, {"p": picker, "spare": spare})
+
+    unserved = ctx()
+    await ModelFallbackStage(router_to("m-nobody-serves"))(unserved)
+    assert (unserved.model, unserved.payload["model"]) == ("m", "m")
+    router = router_to("m-small")
+    small.telemetry = telemetry(waiting=99)  # beyond the kvgate policy's max_waiting
+    saturated = ctx()
+    await ModelFallbackStage(router)(saturated)
+    assert saturated.model == "m"
+    small.telemetry = telemetry(waiting=0)
+    small.drained = True
+    drained = ctx()
+    await ModelFallbackStage(router)(drained)
+    assert drained.model == "m"
+    small.drained = False
+    free = ctx()
+    await ModelFallbackStage(router)(free)
+    assert free.model == "m-small"
+
+
 def test_jurisdiction_filter_applies_residency():
     us = endpoint("us", labels={"jurisdiction": "us"})
     eu = endpoint("eu", labels={"jurisdiction": "eu"})
