@@ -209,6 +209,11 @@ class GatewayApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             route = INFERENCE_ROUTES.get(scope["path"])
+            if route is None and scope["path"].endswith("/") and scope["path"] != "/":
+                # `/v1/chat/completions/`: engines served by FastAPI (vLLM, SGLang) redirect
+                # it to the path without the slash, which clients follow; served as that path.
+                scope = {**scope, "path": scope["path"].rstrip("/") or "/"}
+                route = INFERENCE_ROUTES.get(scope["path"])
             if route is not None:
                 await self._inference(route, scope, receive, send)
                 return

@@ -90,6 +90,22 @@ def test_every_answer_carries_a_request_id_and_engine_errors_name_the_engine(ups
     assert refused.status_code == 400 and "x-kvgate-endpoint" not in refused.headers
 
 
+def test_a_path_with_a_trailing_slash_is_served_as_the_path_without_it(upstream, gateway):
+    """vLLM and SGLang (FastAPI) redirect `/v1/chat/completions/` to the path without the
+    slash, and clients follow; the gateway serves it as that path, and so sends it on."""
+    engine, _ = upstream
+    _, server = gateway
+    answer = httpx.post(server.url + "/v1/chat/completions/", json=CHAT)
+    assert answer.status_code == 200
+    assert [r.path for r in engine.inference_requests] == ["/v1/chat/completions"]
+    assert httpx.get(server.url + "/v1/models/").json()["data"][0]["id"] == "m1"
+    assert httpx.get(server.url + "/healthz/").status_code == 200
+    for path in ("/v1/nope/", "/v1/chat/completions//x/"):
+        missing = httpx.post(server.url + path, json=CHAT)
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "unknown_url"
+    assert len(engine.inference_requests) == 1
+
+
 def test_no_authorization_upstream_without_endpoint_key(upstream, gateway):
     engine, _ = upstream
     _, server = gateway
