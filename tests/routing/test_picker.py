@@ -125,14 +125,18 @@ def test_when_saturated_queue_reject_and_fallbacks():
     assert "saturated (every candidate; when_saturated=queue)" in explained
 
 
+def _fallback_router(a, small, model: str) -> tuple[PoolRouter, PolicyPicker]:
+    """Pool `p` (endpoint `a`, a policy falling back to `model`) and pool `spare` (`small`,
+    kvgate's policy), and the picker of `p`."""
+    picker, services = _picker(a, small, policy=build_policy({"fallback": {"model": model}}, "p"))
+    spare = PolicyPicker(picker.fleet, "spare", builtin_policy("kvgate"), services)
+    return PoolRouter(picker.fleet, {"p": picker, "spare": spare}), picker
+
+
 async def test_model_fallback_is_settled_before_admission_and_picking_follows():
     a = endpoint("a", telemetry=telemetry(waiting=9))
     small = endpoint("small", model="m-small", pool="spare")
-    to_model, services = _picker(
-        a, small, policy=build_policy({"fallback": {"model": "m-small"}}, "p")
-    )
-    spare = PolicyPicker(to_model.fleet, "spare", builtin_policy("kvgate"), services)
-    router = PoolRouter(to_model.fleet, {"p": to_model, "spare": spare})
+    router, to_model = _fallback_router(a, small, "m-small")
     request = ctx()
     assert to_model.choose(request) is a  # picking alone never changes the model
     await ModelFallbackStage(router)(request)
@@ -162,18 +166,10 @@ async def test_no_fallback_to_a_model_that_cannot_take_the_request_either():
     not saturated; otherwise the request keeps the model it asked for (and queues for it)."""
     a = endpoint("a", telemetry=telemetry(waiting=9))
     small = endpoint("small", model="m-small", pool="spare", telemetry=telemetry(waiting=0))
-
-    def router_to(model: str) -> PoolRouter:
-        picker, services = _picker(
-            a, small, policy=build_policy({"fallback": {"model": model}}, "p")
-        )
-        spare = PolicyPicker(picker.fleet, "spare", builtin_policy("kvgate"), services)
-        return PoolRouter(picker.fleet, {"p": picker, "spare": spare})
-
     unserved = ctx()
-    await ModelFallbackStage(router_to("m-nobody-serves"))(unserved)
+    await ModelFallbackStage(_fallback_router(a, small, "m-nobody-serves")[0])(unserved)
     assert (unserved.model, unserved.payload["model"]) == ("m", "m")
-    router = router_to("m-small")
+    router, _ = _fallback_router(a, small, "m-small")
     small.telemetry = telemetry(waiting=99)  # beyond the kvgate policy's max_waiting
     saturated = ctx()
     await ModelFallbackStage(router)(saturated)
