@@ -133,32 +133,33 @@ def _fallback_router(a, small, model: str) -> tuple[PoolRouter, PolicyPicker]:
     return PoolRouter(picker.fleet, {"p": picker, "spare": spare}), picker
 
 
+async def _model_after_fallback(router: PoolRouter, request=None) -> str:
+    """The model a request (a fresh one by default) has after the fallback stage."""
+    request = ctx() if request is None else request
+    await ModelFallbackStage(router)(request)
+    return request.model
+
+
 async def test_model_fallback_is_settled_before_admission_and_picking_follows():
     a = endpoint("a", telemetry=telemetry(waiting=9))
     small = endpoint("small", model="m-small", pool="spare")
     router, to_model = _fallback_router(a, small, "m-small")
     request = ctx()
     assert to_model.choose(request) is a  # picking alone never changes the model
-    await ModelFallbackStage(router)(request)
-    assert (request.model, request.payload["model"]) == ("m-small", "m-small")
-    assert b'"m-small"' in request.body
+    assert await _model_after_fallback(router, request) == "m-small"
+    assert request.payload["model"] == "m-small" and b'"m-small"' in request.body
     assert router.choose(request) is small
-    unsaturated = ctx()
     a.telemetry = telemetry(waiting=0)
-    await ModelFallbackStage(router)(unsaturated)
-    assert unsaturated.model == "m"
+    assert await _model_after_fallback(router) == "m"  # not saturated
     # No endpoint to use at all is not saturation: the request keeps its model (and gets
     # the 503 that says why), whether the endpoints are drained or kept out by residency.
     a.telemetry = telemetry(waiting=9)
     a.drained = True
-    drained = ctx()
-    await ModelFallbackStage(router)(drained)
-    assert drained.model == "m"
+    assert await _model_after_fallback(router) == "m"
     a.drained = False
     elsewhere = ctx()
     elsewhere.allowed_jurisdictions = frozenset({"cn"})
-    await ModelFallbackStage(router)(elsewhere)
-    assert elsewhere.model == "m"
+    assert await _model_after_fallback(router, elsewhere) == "m"
 
 
 async def test_no_fallback_to_a_model_that_cannot_take_the_request_either():
@@ -167,22 +168,16 @@ async def test_no_fallback_to_a_model_that_cannot_take_the_request_either():
     a = endpoint("a", telemetry=telemetry(waiting=9))
     small = endpoint("small", model="m-small", pool="spare", telemetry=telemetry(waiting=0))
     unserved = ctx()
-    await ModelFallbackStage(_fallback_router(a, small, "m-nobody-serves")[0])(unserved)
-    assert (unserved.model, unserved.payload["model"]) == ("m", "m")
+    assert await _model_after_fallback(_fallback_router(a, small, "m-x")[0], unserved) == "m"
+    assert unserved.payload["model"] == "m"
     router, _ = _fallback_router(a, small, "m-small")
     small.telemetry = telemetry(waiting=99)  # beyond the kvgate policy's max_waiting
-    saturated = ctx()
-    await ModelFallbackStage(router)(saturated)
-    assert saturated.model == "m"
+    assert await _model_after_fallback(router) == "m"
     small.telemetry = telemetry(waiting=0)
     small.drained = True
-    drained = ctx()
-    await ModelFallbackStage(router)(drained)
-    assert drained.model == "m"
+    assert await _model_after_fallback(router) == "m"
     small.drained = False
-    free = ctx()
-    await ModelFallbackStage(router)(free)
-    assert free.model == "m-small"
+    assert await _model_after_fallback(router) == "m-small"
 
 
 def test_jurisdiction_filter_applies_residency():
