@@ -63,6 +63,37 @@ def _stored_runs(ids: list[int], rng: random.Random, run: int = 64) -> list[Any]
     return events
 
 
+def silent_event_urls(count: int) -> list[str]:
+    """`count` distinct KV-event URLs on free ports where nobody publishes (the index is fed
+    directly): each endpoint's stream must be its own, or the config is refused."""
+    ports: set[int] = set()
+    while len(ports) < count:
+        ports.add(free_port())
+    return [f"tcp://127.0.0.1:{port}" for port in sorted(ports)]
+
+
+def gateway_config(replay: str, event_urls: list[str]) -> dict[str, Any]:
+    """One pool of `len(event_urls)` endpoints in precise mode (the simulator's tokenizer),
+    each on its own KV-event URL, all sharing the replay socket `replay`."""
+    return {
+        "routing": {"scrape_interval": 1000},  # no stall within the run
+        "pools": [
+            {
+                "name": "p",
+                "models": [MODEL],
+                "tokenizer": {"kind": "sim"},
+                "endpoints": [
+                    {
+                        "url": f"http://127.0.0.1:{20_000 + i}",
+                        "kv_events": {"url": url, "replay_url": replay},
+                    }
+                    for i, url in enumerate(event_urls)
+                ],
+            }
+        ],
+    }
+
+
 async def _decisions(out: dict[str, Any]) -> None:
     from kvgate.config import parse_config
     from kvgate.ingress import request_context
@@ -78,26 +109,7 @@ async def _decisions(out: dict[str, Any]) -> None:
     context = zmq.asyncio.Context()
     router = context.socket(zmq.ROUTER)
     replay = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}"
-    silent = f"tcp://127.0.0.1:{free_port()}"  # nobody publishes: the index is fed directly
-    config = parse_config(
-        {
-            "routing": {"scrape_interval": 1000},  # no stall within the run
-            "pools": [
-                {
-                    "name": "p",
-                    "models": [MODEL],
-                    "tokenizer": {"kind": "sim"},
-                    "endpoints": [
-                        {
-                            "url": f"http://127.0.0.1:{20_000 + i}",
-                            "kv_events": {"url": silent, "replay_url": replay},
-                        }
-                        for i in range(ENDPOINTS)
-                    ],
-                }
-            ],
-        }
-    )
+    config = parse_config(gateway_config(replay, silent_event_urls(ENDPOINTS)))
     fleet = Fleet(build_pool(p, config.routing) for p in config.pools)
     endpoints = fleet.endpoints
     services = RoutingServices.from_config(config.routing)
