@@ -252,8 +252,9 @@ class _RequestTrace:
         first_token = ctx.first_token_at
         # The pick stage's choice: the first attempt goes to it; without one the context
         # still names it (only a retry changes it).
-        picked = self._first_attempt or endpoint
+        first = self._first_attempt
         last = None if endpoint is None else _endpoint(ctx, endpoint)
+        picked = last if first is None or first is endpoint else _endpoint(ctx, first)
         facts = (  # a span_records.RequestFacts, field by field
             ctx.route,
             ctx.upstream_path,
@@ -273,7 +274,7 @@ class _RequestTrace:
             else (intent.latency_class, intent.rule, intent.prompt_tokens, intent.max_tokens),
             ctx.priority,
             last,
-            last if picked is endpoint else None if picked is None else _endpoint(ctx, picked),
+            picked,
             None if endpoint is None else endpoint.engine,
             None if first_token is None else first_token - ctx.started,
             _usage(ctx.usage),
