@@ -27,6 +27,7 @@ from kvgate.chain.pipeline import RequestChain
 from kvgate.chain.responses_gate import ResponsesStage
 from kvgate.chain.tenants import TenantDirectory
 from kvgate.config import Config, StateConfig
+from kvgate.cors import with_cors
 from kvgate.errors import KvgateError, MethodNotAllowed, NotFound, Overloaded
 from kvgate.fleet_admin import FleetAdminRoutes
 from kvgate.ingress import INFERENCE_ROUTES, ClientGone, parse_payload, read_body, request_context
@@ -119,6 +120,8 @@ class GatewayApp:
         self.metrics.configure(config)
         self.pricing = Pricing(config.pools, self.fleet.endpoints)
         self.access_log = AccessLog(enabled=config.server.access_log)
+        cors = config.server.cors
+        self._serve_http = self._http if cors is None else with_cors(self._http, cors)
         # None unless `observability.tracing` (or OTEL_*) turns tracing on.
         self.tracing = build_tracing(
             config.observability.tracing,
@@ -208,26 +211,29 @@ class GatewayApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            route = INFERENCE_ROUTES.get(scope["path"])
-            if route is None and scope["path"].endswith("/") and scope["path"] != "/":
-                # `/v1/chat/completions/`: engines served by FastAPI (vLLM, SGLang) redirect
-                # it to the path without the slash, which clients follow; served as that path.
-                scope = {**scope, "path": scope["path"].rstrip("/") or "/"}
-                route = INFERENCE_ROUTES.get(scope["path"])
-            if route is not None:
-                await self._inference(route, scope, receive, send)
-                return
-            send = _with_request_id(send, request_id_from(scope["headers"]))
-            if is_model_route(scope["path"]):
-                await self.models(scope, send)
-            elif not self.admin_on_public_port and is_admin_route(scope["path"]):
-                await send_error(send, unknown_route(scope))
-            elif scope["path"].startswith("/admin/"):
-                await self.admin(scope, receive, send)
-            else:
-                await self._operational(scope, send)
+            await self._serve_http(scope, receive, send)
         elif scope["type"] == "lifespan":
             await self._lifespan(receive, send)
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route = INFERENCE_ROUTES.get(scope["path"])
+        if route is None and scope["path"].endswith("/") and scope["path"] != "/":
+            # `/v1/chat/completions/`: engines served by FastAPI (vLLM, SGLang) redirect
+            # it to the path without the slash, which clients follow; served as that path.
+            scope = {**scope, "path": scope["path"].rstrip("/") or "/"}
+            route = INFERENCE_ROUTES.get(scope["path"])
+        if route is not None:
+            await self._inference(route, scope, receive, send)
+            return
+        send = _with_request_id(send, request_id_from(scope["headers"]))
+        if is_model_route(scope["path"]):
+            await self.models(scope, send)
+        elif not self.admin_on_public_port and is_admin_route(scope["path"]):
+            await send_error(send, unknown_route(scope))
+        elif scope["path"].startswith("/admin/"):
+            await self.admin(scope, receive, send)
+        else:
+            await self._operational(scope, send)
 
     async def startup(self) -> None:
         if self.config.auth is None:

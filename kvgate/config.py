@@ -65,6 +65,26 @@ class _Strict(BaseModel):
 KEEPALIVE_SECONDS = 75.0
 
 
+class CorsConfig(_Strict):
+    """Browsers' cross-origin requests (docs/config.md): `allow_origins` lists the origins
+    (`scheme://host[:port]`, or `*` for any) whose pages may call the gateway."""
+
+    allow_origins: list[str] = Field(min_length=1)
+    allow_headers: list[str] = Field(default_factory=lambda: ["*"])
+    max_age: int = Field(600, ge=0)
+
+    @field_validator("allow_origins")
+    @classmethod
+    def _origins(cls, value: list[str]) -> list[str]:
+        for origin in value:
+            if origin != "*" and not re.fullmatch(r"https?://[^/\s*]+", origin):
+                raise ValueError(
+                    f"{origin!r} is not an origin: write scheme://host[:port] as the browser "
+                    "sends it (no path, no trailing slash), or * for any"
+                )
+        return value
+
+
 class ServerConfig(_Strict):
     # Loopback by default: a gateway without `auth:` is open, so serving the network is a
     # choice (`--host 0.0.0.0`, KVGATE_HOST; the container image sets it).
@@ -84,6 +104,8 @@ class ServerConfig(_Strict):
     models_require_key: bool = False
     # SIGTERM: seconds requests in flight (long streams) may take to finish before they are cut.
     drain_seconds: float = Field(30.0, ge=0)
+    # Cross-origin requests from browsers: none answered unless configured.
+    cors: CorsConfig | None = None
 
 
 class TierTimeouts(_Strict):

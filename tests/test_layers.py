@@ -40,6 +40,7 @@ _MODULE_LAYERS = {
     "kvgate.hot_reload": "app",
     "kvgate.fleet_admin": "app",
     "kvgate.reload_carryover": "app",
+    "kvgate.cors": "app",
     "kvgate.cli": "cli",
     "kvgate.demo": "cli",
     "kvgate.serving": "cli",
