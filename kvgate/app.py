@@ -120,8 +120,10 @@ class GatewayApp:
         self.metrics.configure(config)
         self.pricing = Pricing(config.pools, self.fleet.endpoints)
         self.access_log = AccessLog(enabled=config.server.access_log)
+        # The HTTP side of the app, behind the CORS protocol when `server.cors` is set; what
+        # `kvgate serve` calls for each request (one call, where `__call__` adds a second).
         cors = config.server.cors
-        self._serve_http = self._http if cors is None else with_cors(self._http, cors)
+        self.serve_http = self._http if cors is None else with_cors(self._http, cors)
         # None unless `observability.tracing` (or OTEL_*) turns tracing on.
         self.tracing = build_tracing(
             config.observability.tracing,
@@ -211,7 +213,7 @@ class GatewayApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            await self._serve_http(scope, receive, send)
+            await self.serve_http(scope, receive, send)
         elif scope["type"] == "lifespan":
             await self._lifespan(receive, send)
 

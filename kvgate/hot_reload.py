@@ -73,7 +73,7 @@ class ReloadableGateway:
             app = self.current
             self._inflight[app] = self._inflight.get(app, 0) + 1
             try:
-                await app(scope, receive, send)
+                await app.serve_http(scope, receive, send)
             finally:
                 self._left(app)
         elif scope["type"] == "lifespan":
