@@ -125,6 +125,7 @@ def serve_sim(args: argparse.Namespace) -> None:
             kv_blocks=args.kv_blocks,
             max_num_seqs=args.max_num_seqs,
             kv_events=args.kv_events,
+            flavor=args.flavor,
         )
         done = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -155,9 +156,10 @@ def serve_sim(args: argparse.Namespace) -> None:
 
 @contextlib.contextmanager
 def sim_fleet(
-    args: argparse.Namespace, lag_file: Path, kv_events: bool = False
+    args: argparse.Namespace, lag_file: Path, kv_events: bool = False, flavor: str = "vllm"
 ) -> Iterator[tuple[list[str], list[str]]]:
-    """The fleet's URLs and, with `kv_events`, each engine's "pub,replay" event sockets."""
+    """The fleet's URLs and, with `kv_events`, each engine's "pub,replay" event sockets;
+    `flavor`: the engines the simulator imitates."""
     proc = subprocess.Popen(
         [
             PYTHON,
@@ -171,6 +173,8 @@ def sim_fleet(
             str(args.kv_blocks),
             "--max-num-seqs",
             str(args.max_num_seqs),
+            "--flavor",
+            flavor,
             "--lag-file",
             str(lag_file),
             *(["--kv-events"] if kv_events else []),
@@ -200,10 +204,12 @@ def gateway_yaml(
     events: list[str] | None = None,
     explain: bool = False,
     max_kv_usage: float | None = None,
+    engine: str = "vllm",
 ) -> str:
     """`events`: "pub,replay" per endpoint for precise routing (the sim tokenizer);
     `explain`: answer `x-kvgate-explain: 1` from anyone; `max_kv_usage`: the KV use above
-    which an engine counts as saturated (`routing.saturation`; None: kvgate's default)."""
+    which an engine counts as saturated (`routing.saturation`; None: kvgate's default);
+    `engine`: the pool's engine kind (the simulator's flavor)."""
     entries = []
     for i, url in enumerate(urls):
         if events:
@@ -219,7 +225,7 @@ def gateway_yaml(
     return (
         f"server: {{host: 127.0.0.1, port: {port}, access_log: false}}\n"
         "auth: none\n"
-        f"pools:\n  - {{name: sim, engine: vllm, models: [{MODEL}], policy: {policy}, "
+        f"pools:\n  - {{name: sim, engine: {engine}, models: [{MODEL}], policy: {policy}, "
         f"endpoints: [{endpoints}]{tokenizer}}}\n"
         + (f"routing: {{{', '.join(routing)}}}\n" if routing else "")
     )
@@ -238,7 +244,7 @@ def front(
     config = workdir / "gateway.yaml"
     policy, published = ("kvgate", events) if router == PRECISE else (router, None)
     config.write_text(
-        gateway_yaml(port, urls, policy, published, args.cost_model, args.max_kv_usage)
+        gateway_yaml(port, urls, policy, published, args.cost_model, args.max_kv_usage, args.flavor)
     )
     with gateway(config, port):
         yield f"http://127.0.0.1:{port}"
@@ -282,7 +288,7 @@ def run_cell(args: argparse.Namespace, router: str, plans: list[Planned]) -> dic
         lag_file = workdir / "lag.json"
         try:
             with (
-                sim_fleet(args, lag_file, router == PRECISE) as (urls, events),
+                sim_fleet(args, lag_file, router == PRECISE, args.flavor) as (urls, events),
                 front(args, router, urls, workdir, events) as base,
             ):
                 results, elapsed = asyncio.run(replay(base, plans, explain))
@@ -519,6 +525,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--speed", type=float, default=2.0)
     p.add_argument("--kv-blocks", type=int, default=1400, help="per engine, 16 tokens each")
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument(
+        "--flavor",
+        choices=("vllm", "sglang"),
+        default="vllm",
+        help="the engines the simulator imitates (sglang: caches a prefill once computed, not "
+        "when scheduled; its metric names); kvgate's pool says the same engine",
+    )
     add_arguments(p)
     p.add_argument("--micro", action="store_true", help="decision-cost microbenchmark only")
     p.add_argument("--no-micro", action="store_true", help="skip the decision-cost microbenchmark")

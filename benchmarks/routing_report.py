@@ -196,7 +196,7 @@ def sections(rows: list[Row], args: argparse.Namespace, searches: dict[str, str]
     """RESULTS.md lines: per workload, the load search's probes (round-robin TTFT p90 and its
     multiple of the unloaded p90, in probe order), the table, the details and the targets."""
     out = [
-        f"{args.engines} simulated engines (realistic profile, speed {args.speed:g}, "
+        f"{args.engines} simulated {args.flavor} engines (realistic profile, speed {args.speed:g}, "
         f"{args.kv_blocks} KV blocks of 16 tokens each, max_num_seqs {args.max_num_seqs}), fresh "
         "per cell, "
         + (
