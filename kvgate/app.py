@@ -120,8 +120,8 @@ class GatewayApp:
         self.metrics.configure(config)
         self.pricing = Pricing(config.pools, self.fleet.endpoints)
         self.access_log = AccessLog(enabled=config.server.access_log)
-        # The HTTP side of the app, behind the CORS protocol when `server.cors` is set; what
-        # `kvgate serve` calls for each request (one call, where `__call__` adds a second).
+        # The HTTP side of the app, behind the CORS protocol when `server.cors` is set.
+        # `kvgate serve` calls it directly (`hot_reload.py`), a call fewer than `__call__`.
         cors = config.server.cors
         self.serve_http = self._http if cors is None else with_cors(self._http, cors)
         # None unless `observability.tracing` (or OTEL_*) turns tracing on.
