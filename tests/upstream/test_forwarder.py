@@ -78,7 +78,12 @@ class ScriptedTransport:
         self.responses: list[FakeResponse] = []
 
     async def open(
-        self, url: str, headers: Headers, body: bytes, connect_timeout: float | None = None
+        self,
+        url: str,
+        headers: Headers,
+        body: bytes,
+        connect_timeout: float | None = None,
+        method: bytes = b"POST",
     ) -> FakeResponse:
         endpoint = url.removesuffix("/v1/chat/completions")
         self.opened.append(endpoint)
