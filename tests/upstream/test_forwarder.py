@@ -241,6 +241,19 @@ async def test_attempts_stop_at_max_attempts():
     r.assert_released()
 
 
+@pytest.mark.parametrize("first", [ConnectFailed("refused"), failed(503)])
+async def test_a_pinned_request_is_never_retried_elsewhere(first):
+    """It continues a stored conversation that only its endpoint holds."""
+    r = rig({URLS[0]: [first], URLS[1]: [stream(event("a"), DONE)]})
+    ctx = request(r)
+    ctx.pinned = ctx.endpoint
+    with pytest.raises(KvgateError):
+        await r.forwarder(ctx, r.send)
+    assert r.transport.opened == URLS[:1] and r.sent == []
+    assert r.observer.denied == []
+    r.assert_released()
+
+
 async def test_an_error_that_is_not_retriable_goes_to_the_client_at_once():
     r = rig({URLS[0]: [failed(400)], URLS[1]: [stream(DONE)]})
     with pytest.raises(UpstreamError) as raised:
