@@ -37,11 +37,12 @@ def fleet() -> Iterator[SimFleet]:
 @pytest.fixture
 def client(fleet, start_gateway) -> openai.OpenAI:
     """A gateway over both engines that alternates between them (round robin): a request it
-    routed, rather than pinned, would land on the engine without the conversation."""
+    routed, rather than pinned, would land on the engine without the conversation. The tenant
+    may use `sim-*` models only (the routes under an id name none)."""
     config = gateway_config(
         fleet.urls,
         pool={"models": ["sim-model"], "policy": "round_robin"},
-        auth={"tenants": [tenant("acme", "gold", [ACME_ENTRY])]},
+        auth={"tenants": [tenant("acme", "gold", [ACME_ENTRY], models=["sim-*"])]},
     )
     _, server = start_gateway(config)
     return sdk_client(base_url=server.url + "/v1", api_key=ACME_KEY, max_retries=0)
@@ -69,6 +70,24 @@ def test_a_created_response_is_retrieved_by_the_id_the_client_got(fleet, client)
     assert [after - b for after, b in zip(received(fleet), before, strict=True)] == [
         int(i == home) for i in range(2)
     ]
+
+
+def test_a_retrieve_settles_without_the_usage_the_response_was_charged_at_its_making(
+    fleet, start_gateway
+):
+    app, server = start_gateway(gateway_config(fleet.urls, auth="none"))
+    settled: list[tuple[str, object]] = []
+    settle = app.stored_chain.settle
+
+    def watched(ctx: Any) -> None:
+        settled.append((ctx.route, ctx.usage))
+        settle(ctx)
+
+    app.stored_chain.settle = watched
+    client = sdk_client(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    created = client.responses.create(model="sim-model", input="Count me", max_output_tokens=2)
+    assert client.responses.retrieve(created.id).usage == created.usage
+    assert settled == [("responses_retrieve", None)]
 
 
 def test_a_conversation_continues_on_the_engine_that_stores_it(fleet, client):

@@ -79,7 +79,10 @@ def test_a_stream_is_relayed_as_is_until_an_event_names_the_response():
     rewriter = ResponseIdRewriter(ResponseIds("acme"), URL)
     opening = event("response.output_text.delta", delta="no object yet: " + NEW)
     assert rewriter.events(opening) == opening
-    assert CLIENT_NEW.encode() in rewriter.events(STREAM)
+    created = event("response.created", response=response("in_progress"))
+    assert rewriter.events(created) == created.replace(NEW.encode(), CLIENT_NEW.encode()).replace(
+        PREVIOUS.encode(), CLIENT_PREVIOUS.encode()
+    )
 
 
 def test_an_engine_error_names_the_id_the_client_sent():
