@@ -16,6 +16,7 @@ from collections.abc import Mapping
 import orjson
 from opentelemetry.sdk.trace.export import SpanExporter
 
+from kvgate import response_routes
 from kvgate.admin_listener import is_admin_route, unknown_route
 from kvgate.asgi import JSON, Message, Receive, Scope, Send, send_bytes, send_error
 from kvgate.chain.admin import AdminRoutes
@@ -25,12 +26,20 @@ from kvgate.chain.classify import Classifier, ClassifyStage
 from kvgate.chain.model_routes import ModelRoutes, is_model_route
 from kvgate.chain.pipeline import RequestChain
 from kvgate.chain.responses_gate import ResponsesStage
+from kvgate.chain.stored_responses import StoredResponseStage
 from kvgate.chain.tenants import TenantDirectory
 from kvgate.config import Config, StateConfig
 from kvgate.cors import with_cors
 from kvgate.errors import KvgateError, MethodNotAllowed, NotFound, Overloaded
 from kvgate.fleet_admin import FleetAdminRoutes
-from kvgate.ingress import INFERENCE_ROUTES, ClientGone, parse_payload, read_body, request_context
+from kvgate.ingress import (
+    INFERENCE_ROUTES,
+    ClientGone,
+    parse_payload,
+    read_body,
+    request_context,
+    stored_response_context,
+)
 from kvgate.observability.access_log import AccessLog
 from kvgate.observability.cost import Pricing
 from kvgate.observability.metrics import GatewayMetrics
@@ -51,7 +60,7 @@ from kvgate.routing.services import RoutingServices
 from kvgate.routing.shared_index import SharedPrefixIndex
 from kvgate.routing.telemetry import TelemetryScraper
 from kvgate.state import MemoryStore, RedisStore, RedisStoreSettings, ReplicaLoad
-from kvgate.types import RequestContext
+from kvgate.types import Headers, RequestContext
 from kvgate.upstream.control_client import build_control_client
 from kvgate.upstream.forwarder import Forwarder
 from kvgate.upstream.resilience import Resilience
@@ -181,22 +190,37 @@ class GatewayApp:
             config.routing.scrape_timeout,
             self.routing.size_index,
         )
+        forward = Forwarder(
+            self.transport,
+            config.timeouts,
+            config.upstream.max_error_body_bytes,
+            self.resilience,
+            picker=self.picker,
+        )
         self.chain = RequestChain(
             stages=[
                 AuthStage(self.tenants),  # 401 / 403; tenant, cache salt
-                ResponsesStage(self.fleet),  # 404 for /v1/responses where no engine serves it
+                # 404 for /v1/responses where no engine serves it; previous_response_id: 404
+                # / 503, else pinned to the endpoint that stores it
+                ResponsesStage(self.fleet),
                 ClassifyStage(self.classifier),  # Intent: class, deadline, priority
                 ModelFallbackStage(self.picker),  # a smaller model when the pool is saturated
                 AdmissionStage(self.admission),  # 429 quotas; waits or 503 when saturated
-                PickStage(self.picker),  # the endpoint (prefix/KV aware)
+                PickStage(self.picker),  # the endpoint (prefix/KV aware), or the pinned one
             ],
-            forward=Forwarder(
-                self.transport,
-                config.timeouts,
-                config.upstream.max_error_body_bytes,
-                self.resilience,
-                picker=self.picker,
-            ),
+            forward=forward,
+            settle=self._settle,
+            tracing=self.tracing,
+        )
+        # /v1/responses/{id}[/...] (retrieve, cancel): no model, no generation; the id names
+        # the one endpoint that can answer (kvgate/chain/stored_responses.py says what else
+        # these routes skip, and why).
+        self.stored_chain = RequestChain(
+            stages=[
+                AuthStage(self.tenants),  # 401; tenant
+                StoredResponseStage(self.fleet, self.admission),  # 404 / 503; the endpoint
+            ],
+            forward=forward,
             settle=self._settle,
             tracing=self.tracing,
         )
@@ -226,6 +250,10 @@ class GatewayApp:
             route = INFERENCE_ROUTES.get(scope["path"])
         if route is not None:
             await self._inference(route, scope, receive, send)
+            return
+        named = response_routes.split(scope["path"])
+        if named is not None:
+            await self._stored_response(scope, receive, send, named[1])
             return
         send = _with_request_id(send, request_id_from(scope["headers"]))
         if is_model_route(scope["path"]):
@@ -287,7 +315,7 @@ class GatewayApp:
             code="drain_timeout",
             retry_after=1,
         )
-        ended = self.chain.end_requests(error)
+        ended = self.chain.end_requests(error) + self.stored_chain.end_requests(error)
         if ended:
             log.warning("drain time is up: ended %d request(s) still running", ended)
 
@@ -355,15 +383,52 @@ class GatewayApp:
         except ClientGone:
             return None
         except KvgateError as error:
-            request_id = request_id_from(headers)
-            extra = [(REQUEST_ID, request_id.encode())]
-            if isinstance(error, MethodNotAllowed):
-                extra.append((b"allow", b"POST"))
-            await send_error(send, error, extra)
-            self.metrics.observe_rejected(route, error.status, str(error.code))
-            self.access_log.rejected(request_id, route, error)
+            await self._refused(route, headers, error, send, b"POST")
             return None
         return ctx
+
+    async def _stored_response(self, scope: Scope, receive: Receive, send: Send, rest: str) -> None:
+        """A `/v1/responses/{id}` route (`rest`: its path after the id): its ingress (method,
+        body size, option headers; the body is not parsed, it is forwarded as it came), then
+        its chain."""
+        started = time.perf_counter()
+        headers = scope["headers"]
+        method = scope["method"]
+        try:
+            if method not in response_routes.METHODS:
+                raise MethodNotAllowed(
+                    f"{method} is not allowed on {scope['path']}; use "
+                    + ", ".join(response_routes.METHODS),
+                    code="method_not_allowed",
+                )
+            server = self.config.server
+            body = await read_body(headers, receive, server.max_body_bytes, server.body_timeout)
+            ctx = stored_response_context(
+                scope,
+                body,
+                chars_per_token=self.config.classification.chars_per_token,
+                started=started,
+            )
+        except ClientGone:
+            return
+        except KvgateError as error:
+            allowed = ", ".join(response_routes.METHODS).encode()
+            route = response_routes.route_of(method, rest)
+            await self._refused(route, headers, error, send, allowed)
+            return
+        await self.stored_chain.handle(ctx, scope, receive, send)
+
+    async def _refused(
+        self, route: str, headers: Headers, error: KvgateError, send: Send, allowed: bytes
+    ) -> None:
+        """Answer a request refused at ingress; `allowed`: the methods the route takes."""
+        request_id = request_id_from(headers)
+        extra = [(REQUEST_ID, request_id.encode())]
+        if isinstance(error, MethodNotAllowed):
+            extra.append((b"allow", allowed))
+        await send_error(send, error, extra)
+        self.metrics.observe_rejected(route, error.status, str(error.code))
+        self.access_log.rejected(request_id, route, error)
 
     def _local_load(self) -> dict[str, ReplicaLoad]:
         """This replica's load on each engine, by URL (names are positions in a config; see

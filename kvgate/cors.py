@@ -18,9 +18,10 @@ from starlette.middleware.cors import CORSMiddleware
 from kvgate.asgi import ASGIApp
 from kvgate.config import CorsConfig
 
-# The methods of the gateway's routes: POST (inference, admin actions) and GET (models, health,
-# metrics, admin reads).
-METHODS = ("GET", "POST")
+# The methods of the gateway's routes: POST (inference, admin actions, a stored response's
+# cancel), GET (models, health, metrics, admin reads, a stored response) and DELETE (OpenAI's
+# for a stored response, forwarded to the engine that holds it).
+METHODS = ("GET", "POST", "DELETE")
 # Response headers a page's script may read beyond the safelisted ones (content-type, ...).
 EXPOSED_HEADERS = ("x-request-id", "x-kvgate-endpoint", "x-kvgate-route-explain", "retry-after")
 

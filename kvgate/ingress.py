@@ -14,7 +14,8 @@ from typing import Any
 
 import orjson
 
-from kvgate.asgi import Receive
+from kvgate import response_routes
+from kvgate.asgi import Receive, Scope
 from kvgate.errors import InvalidRequest, PayloadTooLarge, RequestTimeout
 from kvgate.message_schema import check_message
 from kvgate.prompt_view import PromptView
@@ -203,8 +204,16 @@ def _check_tools(payload: dict[str, Any]) -> None:
 
 
 def _check_response_input(payload: dict[str, Any]) -> None:
-    """OpenAI Responses `input`: a string, or a non-empty array of input items (objects)."""
+    """OpenAI Responses `input`: a string, or a non-empty array of input items (objects); a
+    `previous_response_id`, if any, a string (decoded by kvgate/chain/responses_gate.py)."""
     _check_count(payload, "max_output_tokens")
+    previous = payload.get("previous_response_id")
+    if previous is not None and not isinstance(previous, str):
+        raise InvalidRequest(
+            "'previous_response_id' must be a string",
+            param="previous_response_id",
+            code="invalid_type",
+        )
     if "input" not in payload:
         raise InvalidRequest(
             "'input' is a required property", param="input", code="missing_required_parameter"
@@ -283,6 +292,41 @@ def request_context(
         options=options,
         view=PromptView(route, payload, chars_per_token),
         started=time.perf_counter() if started is None else started,
+    )
+
+
+def stored_response_context(
+    scope: Scope,
+    body: bytes,
+    *,
+    chars_per_token: float = 4.0,
+    started: float | None = None,
+) -> RequestContext:
+    """The context of a request on a `/v1/responses/{id}` route (kvgate/response_routes.py)
+    whose method is one forwarded: its body is forwarded as it came, unread; its method, query
+    string and the rest of its path too. Raises InvalidRequest for a malformed option
+    header."""
+    named = response_routes.split(scope["path"])
+    assert named is not None, "a path under /v1/responses/{id}"
+    response_id, rest = named
+    method = scope["method"]
+    route = response_routes.route_of(method, rest)
+    query = scope.get("query_string", b"")
+    options = parse_request_options(scope["headers"])
+    return RequestContext(
+        request_id=options.request_id,
+        route=route,
+        upstream_path=response_routes.upstream_path(response_id, rest, query),
+        client_headers=scope["headers"],
+        body=body,
+        payload={},
+        model="",
+        stream=response_routes.wants_stream(route, query),
+        options=options,
+        view=PromptView(route, {}, chars_per_token),
+        started=time.perf_counter() if started is None else started,
+        method=method.encode(),
+        response_id=response_id,
     )
 
 

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from kvgate.request_options import RequestOptions
     from kvgate.routing.endpoints import Endpoint
     from kvgate.routing.match import PrefixMatch
+    from kvgate.routing.response_ids import ResponseIds
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -47,7 +48,18 @@ class RequestContext:
     # The prompt as every stage reads it (text pieces, canonical text, one token estimate).
     view: PromptView
     started: float = field(default_factory=time.perf_counter)
+    # The HTTP method sent upstream (POST but on the `/v1/responses/{id}` routes).
+    method: bytes = b"POST"
+    # The response a `/v1/responses/{id}` route names, as the client sent its id (None on the
+    # inference routes).
+    response_id: str | None = None
     endpoint: Endpoint | None = None
+    # The one endpoint that can serve the request: it stores the response the request names
+    # or continues (`previous_response_id`). No stage picks another; no attempt goes elsewhere.
+    pinned: Endpoint | None = None
+    # Responses API requests: how the engine's response ids are relayed to the client
+    # (kvgate/routing/response_ids.py); None on the other routes, which pay nothing for it.
+    response_ids: ResponseIds | None = None
     status: int = 0
     outcome: str = "pending"
     committed: bool = False

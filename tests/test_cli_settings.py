@@ -131,5 +131,5 @@ def test_sim_help_shows_every_default():
     for shown in ("(default: 1)", "(default: 9100)", "(default: vllm)", "(default: realistic)"):
         assert shown in text
     options = {word.rstrip(",") for word in text.split() if word.startswith("--")} - {"--help"}
-    assert len(options) == 17, options
+    assert len(options) == 18, options
     assert text.count("(default: ") == len(options)

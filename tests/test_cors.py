@@ -59,7 +59,7 @@ def test_a_configured_origin_is_answered_and_its_preflight_reaches_no_engine(
     preflight = _preflight(server.url, PAGE)
     assert preflight.status_code == 200
     assert preflight.headers["access-control-allow-origin"] == PAGE
-    assert preflight.headers["access-control-allow-methods"] == "GET, POST"
+    assert preflight.headers["access-control-allow-methods"] == "GET, POST, DELETE"
     assert preflight.headers["access-control-allow-headers"] == (
         "authorization, content-type, x-stainless-os"
     )

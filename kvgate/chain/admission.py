@@ -109,8 +109,7 @@ class AdmissionController:
     async def admit(self, ctx: RequestContext) -> None:
         tenant, intent = ctx.tenant, ctx.intent
         assert tenant is not None and intent is not None, "auth and classify run first"
-        if self.draining:
-            raise _draining()
+        self.check_open()
         reservation = await self._reserve(tenant, intent, output_limit_field(ctx))
         ctx.on_finish(partial(self._settle, reservation))
         key: QueueKey = (ctx.model, ctx.allowed_jurisdictions)
@@ -129,6 +128,11 @@ class AdmissionController:
             self._start(ctx, tenant)
             return
         await self._wait(ctx, tenant, intent, key, rank)
+
+    def check_open(self) -> None:
+        """503 `draining` once the process drains: new requests are refused from then on."""
+        if self.draining:
+            raise _draining()
 
     # --- quotas -----------------------------------------------------------------------------
 

@@ -112,7 +112,9 @@ class AuthStage:
             )
         ctx.tenant = tenant
         ctx.key_id = record.key_id
-        if not tenant.may_use(ctx.model):
+        # The `/v1/responses/{id}` routes name no model: the id is the tenant's own (its
+        # suffix is issued per tenant, kvgate/routing/response_ids.py).
+        if ctx.response_id is None and not tenant.may_use(ctx.model):
             raise PermissionDenied(
                 f"This API key may not use the model '{ctx.model}'",
                 param="model",

@@ -1,15 +1,28 @@
-"""The `responses` stage: `/v1/responses` only where the engines serve it.
+"""The `responses` stage: `/v1/responses` only where the engines serve it, and a continued
+conversation pinned to the engine that stores it.
 
 vLLM serves OpenAI's Responses API; other engines may not (`pools[].responses`, by default
 true for vLLM pools only). A request for a model whose pool (the first in config order that
 serves it, where the picker routes it) does not serve the route is answered 404 naming the
 reason, before admission and without reaching an engine.
+
+Every create call gets its response-id rewriting (kvgate/routing/response_ids.py): the ids
+of its answer reach the client naming the endpoint that stores the response. A create with
+`previous_response_id` continues a conversation that only that endpoint holds: the id is
+decoded here (404 for an id the gateway did not issue or no endpoint of the fleet stores for
+this tenant, 503 when that endpoint is not taking requests), the request is pinned there (no
+model fallback, no routing by prefix, no retry elsewhere: `ctx.pinned`) and sent with the
+engine's own id in that field, the only change to its body. All of this before admission, so
+a refused request takes nothing.
 """
 
 from __future__ import annotations
 
+import orjson
+
 from kvgate.errors import NotFound
 from kvgate.routing.endpoints import Fleet
+from kvgate.routing.response_ids import ResponseIds, check_available, stored_at
 from kvgate.types import RequestContext
 
 
@@ -20,8 +33,23 @@ class ResponsesStage:
     async def __call__(self, ctx: RequestContext) -> None:
         if ctx.route != "responses":
             return
-        home = self.fleet.home_pool(ctx.model)
-        pool = next((p for p in self.fleet.pools if p.name == home), None)
+        tenant = ctx.tenant
+        assert tenant is not None, "the auth stage runs first"
+        ids = ctx.response_ids = ResponseIds(tenant.name)
+        previous = ctx.payload.get("previous_response_id")
+        if previous is None:
+            self._check_served(ctx, self.fleet.home_pool(ctx.model))
+            return
+        endpoint, engine_id = stored_at(self.fleet, tenant.name, previous, "previous_response_id")
+        self._check_served(ctx, endpoint.pool)
+        check_available(endpoint, generates=True)
+        ctx.pinned = endpoint
+        ids.named[engine_id] = previous
+        ctx.payload["previous_response_id"] = engine_id
+        ctx.body = orjson.dumps(ctx.payload)
+
+    def _check_served(self, ctx: RequestContext, name: str | None) -> None:
+        pool = next((p for p in self.fleet.pools if p.name == name), None)
         if pool is not None and not pool.serves_responses:
             raise NotFound(
                 f"/v1/responses is not served for the model '{ctx.model}': its pool "

@@ -39,6 +39,7 @@ from kvgate.observability.span_records import (
     new_span_id,
     stage_parent,
 )
+from kvgate.response_routes import TEMPLATES
 from kvgate.routing.endpoints import Endpoint
 from kvgate.types import Headers, RequestContext
 
@@ -257,7 +258,7 @@ class _RequestTrace:
         picked = last if first is None or first is endpoint else _endpoint(ctx, first)
         facts = (  # a span_records.RequestFacts, field by field
             ctx.route,
-            ctx.upstream_path,
+            TEMPLATES.get(ctx.route, ctx.upstream_path),
             ctx.request_id,
             self._requested,
             ctx.model,
@@ -279,6 +280,7 @@ class _RequestTrace:
             None if first_token is None else first_token - ctx.started,
             _usage(ctx.usage),
             ctx.response_model,
+            ctx.method.decode(),
         )
         record = (
             self.trace_id,

@@ -67,9 +67,10 @@ TraceRecord = tuple[
 # The parent of a span that is the request's own child.
 ROOT = 0
 # Stages that only read the config and the fleet's state (no I/O, no waiting), whose outcome
-# the request span records (a fallback model: `kvgate.model`; the responses gate's 404: the
-# request's status): a span each would cost as much as a real stage's and show nothing.
-FOLDED = frozenset({"kvgate.responses", "kvgate.model_fallback"})
+# the request span records (a fallback model: `kvgate.model`; the responses gate's 404 and the
+# stored-response stage's 404 or 503: the request's status; the endpoint a response id names:
+# `kvgate.endpoint`): a span each would cost as much as a real stage's and show nothing.
+FOLDED = frozenset({"kvgate.responses", "kvgate.model_fallback", "kvgate.stored_response"})
 
 
 def stage_parent(stage: int) -> int:
@@ -109,6 +110,9 @@ class RequestFacts(NamedTuple):
     first_token: float | None
     usage: UsageCounts | None
     response_model: str | None
+    # The HTTP method (other than POST on the `/v1/responses/{id}` routes, whose `path` is the
+    # route's template, never a response id).
+    method: str = "POST"
 
 
 class TraceExport(Protocol):
@@ -236,7 +240,7 @@ def readable_spans(
             parent_context = step_contexts[parent_ref]
         if kind == CLIENT:
             attributes = _attempt(operation, name, cast(AttemptFacts, step_facts))
-            name = f"{operation} {name}"
+            name = f"{operation} {name}" if name else operation  # the id routes name no model
         else:
             attributes = dict(cast(Attributes, step_facts or {}))
         own = step_contexts[span_id]
@@ -245,7 +249,8 @@ def readable_spans(
     made.sort(key=lambda ended_span: ended_span[0])
     attributes, status = _request(operation, facts)
     server = SpanKind.SERVER.value
-    request = span(f"POST {facts.path}", server, root, parent, started, ended, attributes, status)
+    name = f"{facts.method} {facts.path}"
+    request = span(name, server, root, parent, started, ended, attributes, status)
     return [*(s for _, s in made), request]
 
 
@@ -260,7 +265,7 @@ def _failed(attributes: Attributes, error: str | None) -> Status:
 def _request(operation: str, facts: RequestFacts) -> tuple[Attributes, Status]:
     """The request span's attributes and status."""
     attributes: Attributes = {
-        "http.request.method": "POST",
+        "http.request.method": facts.method,
         "http.route": facts.path,
         "gen_ai.operation.name": operation,
         "gen_ai.request.model": facts.requested_model,

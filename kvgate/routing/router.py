@@ -28,6 +28,7 @@ from kvgate.request_options import ROUTE_EXPLAIN
 from kvgate.routing.endpoints import Endpoint, EndpointLoad, Fleet
 from kvgate.routing.plugins import Filter, Scorer
 from kvgate.routing.policy import RoutingPolicy, RoutingProfile
+from kvgate.routing.response_ids import check_available, check_residency
 from kvgate.routing.services import RoutingServices
 from kvgate.types import RequestContext
 
@@ -361,6 +362,8 @@ class ModelFallbackStage:
         self.router = router
 
     async def __call__(self, ctx: RequestContext) -> None:
+        if ctx.pinned is not None:  # a stored conversation continues on its model, there
+            return
         model = self.router.fallback_model(ctx)
         if model is None or model == ctx.model:
             return
@@ -375,10 +378,21 @@ class ModelFallbackStage:
 
 class PickStage:
     """Assigns `ctx.endpoint`. The in-flight count is the forwarder's: it is taken per attempt,
-    at dispatch, so that a request that is refused later never counts against an engine."""
+    at dispatch, so that a request that is refused later never counts against an engine.
+
+    A request pinned to the endpoint storing the conversation it continues (`ctx.pinned`) goes
+    there and nowhere else, without routing by prefix (the engine prepends the stored
+    conversation, which the gateway never saw): if that endpoint left rotation while the
+    request waited, 503; if the request may not be served in its jurisdiction, 403."""
 
     def __init__(self, picker: EndpointPicker) -> None:
         self.picker = picker
 
     async def __call__(self, ctx: RequestContext) -> None:
-        ctx.endpoint = self.picker.choose(ctx)
+        pinned = ctx.pinned
+        if pinned is None:
+            ctx.endpoint = self.picker.choose(ctx)
+            return
+        check_available(pinned, generates=True)
+        check_residency(pinned, ctx.allowed_jurisdictions)
+        ctx.endpoint = pinned

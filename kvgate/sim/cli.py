@@ -110,6 +110,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=KV_EVENTS_REPLAY_BATCHES,
         help="recent batches kept for the replay socket",
     )
+    parser.add_argument(
+        "--responses-store",
+        action="store_true",
+        help="vLLM: keep Responses API answers in each engine's memory (retrieve, cancel, "
+        "background, previous_response_id), as VLLM_ENABLE_RESPONSES_API_STORE=1 does",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -130,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
             kv_events_replay_port_offset=args.kv_events_replay_port_offset,
             kv_events_encoding=args.kv_events_encoding,
             kv_events_replay_batches=args.kv_events_replay_batches,
+            responses_store=args.responses_store,
         )
     except ValueError as error:
         print(f"kvgate sim: {error}")

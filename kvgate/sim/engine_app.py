@@ -1,10 +1,11 @@
 """The HTTP surface of one simulated engine, as a plain ASGI application.
 
 Routes: the OpenAI endpoints, `/health`, `/metrics`, the flavour's extras (vLLM
-`/reset_prefix_cache` and `/v1/responses`; SGLang `/v1/loads`, `/get_load`, `/flush_cache`,
-`/health_generate`) and the simulator's own `/sim/stats` and `/sim/faults` (and
-`/sim/kv-events/faults` when the engine publishes KV events). Inference requests pass through
-the fault injector first; everything else is never faulted.
+`/reset_prefix_cache`, `/v1/responses` and, under `/v1/responses/{id}`, retrieve and cancel;
+SGLang `/v1/loads`, `/get_load`, `/flush_cache`, `/health_generate`) and the simulator's own
+`/sim/stats` and `/sim/faults` (and `/sim/kv-events/faults` when the engine publishes KV
+events). Inference requests pass through the fault injector first; everything else is never
+faulted.
 """
 
 import asyncio
@@ -39,7 +40,9 @@ from .openai_api import (
     usage_chunk,
 )
 from .options import EngineOptions
-from .responses_api import RESPONSE, deliver_response, parse_response_request
+from .response_store import PREFIX as STORED_RESPONSES
+from .response_store import ResponseStore
+from .responses_api import RESPONSE, ResponseGeneration, deliver_response, parse_response_request
 from .stats import EngineCounters
 
 Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
@@ -75,6 +78,7 @@ class EngineApp:
         self._describe_faults = describe_faults
         self._health_hangs = health_hangs
         self.closing = asyncio.Event()
+        self.responses = ResponseStore(options.responses_store)
         self._routes: dict[tuple[str, str], Handler] = {
             ("GET", "/health"): self._health,
             ("GET", "/metrics"): self._metrics,
@@ -104,6 +108,8 @@ class EngineApp:
         if scope["type"] != "http":
             return
         handler = self._routes.get((scope["method"], scope["path"]))
+        if handler is None and self._stores_responses(scope["path"]):
+            handler = self._stored_response
         if handler is None:
             known = any(path == scope["path"] for _, path in self._routes)
             status = 405 if known else 404
@@ -117,6 +123,13 @@ class EngineApp:
             )
             return
         await handler(scope, receive, send)
+
+    def _stores_responses(self, path: str) -> bool:
+        return (
+            self._options.flavor == "vllm"
+            and path.startswith(STORED_RESPONSES)
+            and len(path) > len(STORED_RESPONSES)
+        )
 
     async def _error(self, send: Send, error: ApiError, headers: list | None = None) -> None:
         body = orjson.dumps(error.body(self._options.flavor))
@@ -202,6 +215,7 @@ class EngineApp:
             "num_running": len(core.running),
             "num_waiting": len(core.waiting),
             "kv_cache_usage": core.pool.usage,
+            "responses_stored": len(self.responses),
         }
         await _respond(send, 200, orjson.dumps(body))
 
@@ -236,6 +250,18 @@ class EngineApp:
     async def _responses(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._inference(scope, receive, send, RESPONSE)
 
+    async def _stored_response(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Retrieve or cancel a stored response (counted as a request received)."""
+        self._record_arrival(scope, await _read_body(receive))
+        try:
+            answer = self.responses.answer(
+                self._core, scope["method"], scope["path"], scope["query_string"]
+            )
+        except ApiError as error:
+            await self._error(send, error)
+            return
+        await _respond(send, 200, orjson.dumps(answer))
+
     def _record_arrival(self, scope: Scope, raw_body: bytes) -> Any:
         """Count the request and keep its headers and body for /sim/stats; return the body."""
         try:
@@ -264,12 +290,13 @@ class EngineApp:
         if body is None:
             await self._error(send, ApiError(400, "request body is not valid JSON"))
             return
+        generation: Generation
         try:
             if kind == "embedding":
                 await _respond(send, 200, orjson.dumps(embeddings_response(body, self._options)))
                 return
             if kind == RESPONSE:
-                generation = parse_response_request(body, self._options, arrival)
+                generation = parse_response_request(body, self._options, arrival, self.responses)
             else:
                 generation = parse_generation(kind, body, self._options, arrival)
         except ApiError as error:
@@ -305,12 +332,13 @@ class EngineApp:
     async def _deliver(
         self, generation: Generation, send: Send, watch: DisconnectWatch | None, fault: Fault | None
     ) -> None:
-        if generation.kind == RESPONSE:  # of the faults during the answer, only the crash
+        if isinstance(generation, ResponseGeneration):  # of the faults in the answer, the crash
             crash_after = fault.tokens if fault and fault.mode == "crash_after_tokens" else None
             await deliver_response(
                 generation,
                 send,
                 now_seconds(),
+                self.responses,
                 crash_after,
                 functools.partial(self._crash, generation, send),
             )

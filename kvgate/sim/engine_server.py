@@ -1,11 +1,12 @@
 """One simulated engine served by uvicorn (on 127.0.0.1 unless told otherwise), with a
 listener that can be shut.
 
-`SimEngine` is the per-engine handle: `url`, `port`, `stats()`, `set_fault()` and
-`clear_fault()`; with KV events on, `kv_events` (its `url`, `replay_url`) and
-`set_kv_event_fault()`. Fault changes may be made from any thread; they take effect before
-the call returns (a `refuse` fault has closed the listening socket; clearing it has bound the
-same port again, so connections queue in its backlog until the accept loop resumes).
+`SimEngine` is the per-engine handle: `url`, `port`, `stats()`, `responses` (its Responses
+API store), `set_fault()` and `clear_fault()`; with KV events on, `kv_events` (its `url`,
+`replay_url`) and `set_kv_event_fault()`. Fault changes may be made from any thread; they
+take effect before the call returns (a `refuse` fault has closed the listening socket;
+clearing it has bound the same port again, so connections queue in its backlog until the
+accept loop resumes).
 """
 
 import asyncio
@@ -23,6 +24,7 @@ from .engine_core import EngineCore
 from .faults import REFUSE, Fault, FaultInjector
 from .kv_event_publisher import KvEventFault, KvEventPublisher
 from .options import EngineOptions
+from .response_store import ResponseStore
 from .stats import EngineCounters
 
 HOST = "127.0.0.1"
@@ -64,6 +66,13 @@ class SimEngine:
     def url(self) -> str:
         """Base URL, e.g. `http://127.0.0.1:40123` (the port is known once started)."""
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def responses(self) -> ResponseStore:
+        """The Responses API store (empty unless `options.responses_store`); only valid
+        between start and stop."""
+        assert self._app is not None, "engine not started"
+        return self._app.responses
 
     @property
     def core(self) -> EngineCore:
@@ -146,6 +155,7 @@ class SimEngine:
             "num_running": len(core.running),
             "num_waiting": len(core.waiting),
             "kv_cache_usage": core.pool.usage,
+            "responses_stored": len(self.responses),
         }
 
     @property

@@ -29,18 +29,23 @@ _ERROR_TYPES = {
 
 
 class ApiError(Exception):
-    """A request the engine answers with an HTTP error; `body(flavor)` is its JSON."""
+    """A request the engine answers with an HTTP error; `body(flavor)` is its JSON. The type
+    is the one vLLM names after the status unless `error_type` is given (vLLM's Responses API
+    store errors say `invalid_request_error`)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, param: str | None = None, error_type: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.error_type = error_type
 
     def body(self, flavor: str) -> dict[str, Any]:
         """vLLM: `{"error": {message, type, param, code}}`; SGLang: the flat legacy shape."""
         default_type = "BadRequestError" if self.status < 500 else "InternalServerError"
-        error_type = _ERROR_TYPES.get(self.status, default_type)
+        error_type = self.error_type or _ERROR_TYPES.get(self.status, default_type)
         if flavor == "sglang":
             return {
                 "object": "error",

@@ -60,7 +60,9 @@ class EngineOptions:
     `fault` is a fault spec such as `{"mode": "http_error", "status": 503}` applied at start.
     `kv_events` publishes KV-cache events over ZMQ on the HTTP port + `kv_events_port_offset`
     in `kv_events_encoding`, and replays up to `kv_events_replay_batches` recent batches on
-    the HTTP port + `kv_events_replay_port_offset`.
+    the HTTP port + `kv_events_replay_port_offset`. `responses_store` keeps Responses API
+    answers in the engine's memory, as vLLM does with `VLLM_ENABLE_RESPONSES_API_STORE=1`
+    (kvgate/sim/response_store.py).
     """
 
     flavor: Flavor = "vllm"
@@ -81,6 +83,7 @@ class EngineOptions:
     kv_events_replay_port_offset: int = KV_EVENTS_REPLAY_PORT_OFFSET
     kv_events_encoding: KvEventEncoding = "array"
     kv_events_replay_batches: int = KV_EVENTS_REPLAY_BATCHES
+    responses_store: bool = False
 
     def __post_init__(self) -> None:
         if self.flavor not in ("vllm", "sglang"):

@@ -2,9 +2,13 @@
 
 Request: `input` (a string, or an array of message items `{"role", "content"}` whose content is
 a string or `input_text` / `output_text` parts), optional `instructions` (a system message
-first), `max_output_tokens`, `stream`, `cache_salt`. It is rendered like a chat request, so
-prefix caching and the context-length check behave as for chat. No tools, no stored state
-(`previous_response_id` is refused).
+first), `max_output_tokens`, `stream`, `cache_salt`, and, as vLLM serves them with its store
+on (`EngineOptions.responses_store`, kvgate/sim/response_store.py), `store` (default true),
+`background` (answer at once with a `queued` response, generate on) and
+`previous_response_id`: the stored conversation it names (its messages, then its output as an
+assistant message) comes before the new input, so the prompt grows turn by turn. It is
+rendered like a chat request, so prefix caching and the context-length check behave as for
+chat. No tools; a background response is not streamed.
 
 Non-stream answer: a `response` object whose `output` is one assistant `message` holding one
 `output_text` part, with `usage` (`input_tokens`, `output_tokens`, `total_tokens`, cached
@@ -21,17 +25,37 @@ There is no `[DONE]`: the stream ends after that last event, as OpenAI's does.
 
 import uuid
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from .asgi_types import Send
 from .engine_core import ABORTED
-from .openai_api import CHAT, ApiError, Generation, output_text, parse_generation
+from .openai_api import CHAT, ApiError, Generation, output_text, parse_generation, resolve_model
 from .options import EngineOptions
 from .sequence import GenerationRequest
 
+if TYPE_CHECKING:
+    from .response_store import ResponseStore
+
 RESPONSE = "response"
+_STORE_OFF = (
+    "This vLLM engine does not support `store=True` and therefore does not support the "
+    "background mode. To enable these features, set the environment variable "
+    "`VLLM_ENABLE_RESPONSES_API_STORE=1` when launching the vLLM server."
+)
+
+
+@dataclass
+class ResponseGeneration(Generation):
+    """A Responses request: its generation, the messages it was rendered from (what a later
+    `previous_response_id` continues), and whether it is stored and runs in the background."""
+
+    messages: list[dict[str, str]] = field(default_factory=list)
+    previous_response_id: str | None = None
+    store: bool = False
+    background: bool = False
 
 
 def _text(content: Any, where: str) -> str:
@@ -50,11 +74,14 @@ def _text(content: Any, where: str) -> str:
     raise ApiError(400, f"{where} must be a string or an array of text parts", where)
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+def _messages(body: dict[str, Any], history: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The instructions (as vLLM puts them: first, before the conversation continued), the
+    stored conversation `history`, then the new input."""
     messages: list[dict[str, str]] = []
     instructions = body.get("instructions")
     if instructions is not None:
         messages.append({"role": "system", "content": _text(instructions, "instructions")})
+    messages += history
     given = body.get("input")
     if isinstance(given, str):
         return [*messages, {"role": "user", "content": given}]
@@ -67,23 +94,57 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
     return messages
 
 
-def parse_response_request(body: Any, options: EngineOptions, arrival: float) -> Generation:
-    """Validate a Responses request; raise ApiError as vLLM would."""
+def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ApiError(400, f"{name} must be a boolean", name)
+    return value
+
+
+def parse_response_request(
+    body: Any, options: EngineOptions, arrival: float, store: "ResponseStore"
+) -> ResponseGeneration:
+    """Validate a Responses request; raise ApiError as vLLM would (its order: the model, the
+    store and background switches, then the previous response, 404 when `store` has no such
+    id)."""
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
-    if body.get("previous_response_id") is not None:
-        raise ApiError(400, "the simulator stores no responses", "previous_response_id")
+    resolve_model(body, options)
+    keep, background = _flag(body, "store", True), _flag(body, "background", False)
+    if background and not keep:
+        raise ApiError(400, "background can only be used when `store` is true", "background")
+    if keep and not store.enabled:
+        if background:
+            raise ApiError(400, _STORE_OFF, error_type="invalid_request_error")
+        keep = False  # as vLLM: `store` is ignored while its store is off
+    if background and body.get("stream"):
+        raise ApiError(400, "the simulator does not stream background responses", "stream")
+    previous = body.get("previous_response_id")
+    if previous is not None and not isinstance(previous, str):
+        raise ApiError(400, "previous_response_id must be a string", "previous_response_id")
+    history = [] if previous is None else store.get(previous).conversation()
     chat = {
         "model": body.get("model"),
-        "messages": _messages(body),
+        "messages": _messages(body, history),
         "max_tokens": body.get("max_output_tokens"),
         "stream": body.get("stream", False),
         "cache_salt": body.get("cache_salt"),
     }
-    generation = parse_generation(CHAT, chat, options, arrival)
-    generation.kind = RESPONSE
-    generation.request.request_id = f"resp_{uuid.uuid4().hex}"
-    return generation
+    parsed = parse_generation(CHAT, chat, options, arrival)
+    parsed.request.request_id = f"resp_{uuid.uuid4().hex}"
+    return ResponseGeneration(
+        kind=RESPONSE,
+        model=parsed.model,
+        stream=parsed.stream,
+        include_usage=parsed.include_usage,
+        request=parsed.request,
+        messages=chat["messages"],
+        previous_response_id=previous,
+        store=keep,
+        background=background,
+    )
 
 
 def _usage(request: GenerationRequest) -> dict[str, Any]:
@@ -121,13 +182,17 @@ def _part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": []}
 
 
-def response_object(generation: Generation, created: int, final: bool = True) -> dict[str, Any]:
+def response_object(
+    generation: ResponseGeneration, created: int, final: bool = True, status: str | None = None
+) -> dict[str, Any]:
     """The `response` object of a finished request, or (`final=False`) as it stands when
-    a stream opens: in progress, no output yet."""
+    a stream opens: in progress (or `status`: a background response `queued`, or
+    `cancelled`), no output yet."""
     request = generation.request
     finished = final and request.finished
     cut = finished and request.finish_reason == "length"
-    status = ("incomplete" if cut else "completed") if finished else "in_progress"
+    if status is None:
+        status = ("incomplete" if cut else "completed") if finished else "in_progress"
     return {
         "id": request.request_id,
         "object": "response",
@@ -141,6 +206,9 @@ def response_object(generation: Generation, created: int, final: bool = True) ->
         "instructions": None,
         "max_output_tokens": request.params.max_tokens,
         "parallel_tool_calls": True,
+        "previous_response_id": generation.previous_response_id,
+        "store": generation.store,
+        "background": generation.background,
         "tool_choice": "auto",
         "tools": [],
         "temperature": 1.0,
@@ -151,7 +219,7 @@ def response_object(generation: Generation, created: int, final: bool = True) ->
 class ResponseEvents:
     """Builds the stream's events in order, numbering them."""
 
-    def __init__(self, generation: Generation, created: int) -> None:
+    def __init__(self, generation: ResponseGeneration, created: int) -> None:
         self.generation = generation
         self.created = created
         self.sequence = 0
@@ -205,22 +273,31 @@ _SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control
 
 
 async def deliver_response(
-    generation: Generation,
+    generation: ResponseGeneration,
     send: Send,
     created: int,
+    store: "ResponseStore",
     crash_after: int | None = None,
     crash: Callable[[], None] = lambda: None,
 ) -> None:
-    """Answer a submitted Responses request, whole or streamed as it generates. A request
-    aborted mid-way (client gone, engine closing) ends the stream without its last event; a
-    stream with `crash_after` tokens relayed calls `crash` (the `crash_after_tokens` fault:
-    the connection is cut)."""
+    """Answer a submitted Responses request, whole or streamed as it generates; a stored one
+    is kept in `store` before its last bytes leave. A background request is answered at once,
+    `queued`, and generates on. A request aborted mid-way (client gone, engine closing) ends
+    the stream without its last event and is not kept; a stream with `crash_after` tokens
+    relayed calls `crash` (the `crash_after_tokens` fault: the connection is cut)."""
     request = generation.request
+    if generation.background:
+        store.keep(generation, created)
+        body = orjson.dumps(response_object(generation, created, final=False, status="queued"))
+        await send({"type": "http.response.start", "status": 200, "headers": _JSON})
+        await send({"type": "http.response.body", "body": body})
+        return
     if not generation.stream:
         while not request.finished:
             await request.wait_for_progress()
         if request.finish_reason == ABORTED:
             return
+        store.keep(generation, created)
         body = orjson.dumps(response_object(generation, created))
         await send({"type": "http.response.start", "status": 200, "headers": _JSON})
         await send({"type": "http.response.body", "body": body})
@@ -241,6 +318,7 @@ async def deliver_response(
             return
         if request.finished:
             if request.finish_reason != ABORTED:
+                store.keep(generation, created)
                 chunk += events.closing()
             await send({"type": "http.response.body", "body": chunk})
             return

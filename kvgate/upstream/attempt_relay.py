@@ -6,7 +6,9 @@ retriable); any failure after it is raised as `StreamBroken`, for the forwarder 
 stream or end it with an error event (kvgate/upstream/forwarder.py). The upstream response is
 closed on every path (`_opened`, `_whole_answer`), which is what aborts generation on the engine
 when the client goes away. Every attempt is reported to its endpoint's breaker exactly once
-(`AttemptRecord`) and counted by `endpoint.begin_attempt` / `endpoint.end_attempt`.
+(`AttemptRecord`) and counted by `endpoint.begin_attempt` / `endpoint.end_attempt`. A
+Responses API answer's response ids are relayed in the client's form, naming the endpoint
+that answered (kvgate/upstream/response_id_rewrite.py); no other route pays for it.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from kvgate.upstream.headers import upstream_headers
 from kvgate.upstream.moving_deadline import TIMER_RESOLUTION, MovingDeadline
 from kvgate.upstream.request_timeouts import RequestTimeouts
 from kvgate.upstream.resilience import AttemptRecord, Resilience
+from kvgate.upstream.response_id_rewrite import ResponseIdRewriter
 from kvgate.upstream.resume import StreamTranscript
 from kvgate.upstream.sse import MAX_EVENT_BYTES, SseProtocolError, SseScanner
 from kvgate.upstream.transport import TransportError, UpstreamResponse, UpstreamTransport
@@ -63,6 +66,9 @@ class _Request:
     connect_timeout: float
     # The body's field that holds the prompt, named by a too-long prompt's error.
     prompt_param: str
+    method: bytes
+    # A Responses API answer's id rewriting (None on every other route).
+    ids: ResponseIdRewriter | None
 
 
 class AttemptRelay:
@@ -102,6 +108,10 @@ class AttemptRelay:
             ctx.body if body is None else body,
             limits.connect,
             PROMPT_PARAMS.get(ctx.route, "messages"),
+            ctx.method,
+            None
+            if ctx.response_ids is None
+            else ResponseIdRewriter(ctx.response_ids, endpoint.url),
         )
         loop = asyncio.get_running_loop()
         deadline = loop.time() + limits.remaining()
@@ -153,7 +163,11 @@ class AttemptRelay:
         try:
             async with asyncio.timeout_at(until):
                 response = await self.transport.open(
-                    request.url, request.headers, request.body, request.connect_timeout
+                    request.url,
+                    request.headers,
+                    request.body,
+                    request.connect_timeout,
+                    request.method,
                 )
         except (TimeoutError, TransportError) as failure:
             raise attempt_failure(failure, "first_token") from None
@@ -168,9 +182,12 @@ class AttemptRelay:
             body = await response.read(self.max_error_body_bytes)
         except TransportError:
             body = b""
-        return upstream_error_from_body(
+        error = upstream_error_from_body(
             response.status, body, _retry_after(response), request.prompt_param
         )
+        if request.ids is not None:
+            error.message = request.ids.text(error.message)
+        return error
 
     async def _relay_unary(
         self, ctx: RequestContext, request: _Request, send: Send, deadline: float
@@ -181,12 +198,15 @@ class AttemptRelay:
                 "the engine's answer is not a complete JSON object",
                 code="upstream_malformed_body",
             )
+        if request.ids is not None:
+            body = request.ids.body(body)
         ctx.status = status
         ctx.responded = True
         try:
             await send_bytes(send, status, body, content_type.encode(), _response_headers(ctx))
         finally:  # the answer does not wait for the accounting; a client gone still pays
-            ctx.usage, ctx.response_model = answer_usage(body)
+            if ctx.response_id is None:  # a stored response's usage counted when it was made
+                ctx.usage, ctx.response_model = answer_usage(body)
 
     async def _whole_answer(self, request: _Request, deadline: float) -> tuple[int, str, bytes]:
         """The engine's status, content type and whole body, all by `deadline` (one deadline
@@ -196,7 +216,11 @@ class AttemptRelay:
         try:
             async with asyncio.timeout_at(deadline):
                 response = await self.transport.open(
-                    request.url, request.headers, request.body, request.connect_timeout
+                    request.url,
+                    request.headers,
+                    request.body,
+                    request.connect_timeout,
+                    request.method,
                 )
                 request.body = b""
                 if response.status >= 400:
@@ -259,6 +283,8 @@ class AttemptRelay:
                     first = b"".join(pending)
                     if transcript is not None:
                         first = transcript.shape(first)
+                    if request.ids is not None:
+                        first = request.ids.events(first)
                     endpoint.first_token(ctx)  # prefill done: the attempt now counts as decoding
                     record.first_token()
                     if ctx.committed:
@@ -276,6 +302,8 @@ class AttemptRelay:
                         out = scanner.feed(await anext(chunks))
                         if transcript is not None and out:
                             out = transcript.shape(out)
+                        if request.ids is not None and out:
+                            out = request.ids.events(out)
                         # Inter-token latency: a chunk that relays an event other than [DONE]
                         # (`done` can only have turned True in this chunk).
                         if scanner.data_events - events > scanner.done:
@@ -285,9 +313,11 @@ class AttemptRelay:
                         await _send_body(send, out)
                     if scanner.error is None:
                         # Relay what the engine sends after [DONE] until it closes the stream.
-                        await _send_body(send, scanner.flush())
+                        await _send_body(send, _relayed(request, scanner.flush()))
                         async for chunk in chunks:
-                            await _send_body(send, chunk)
+                            await _send_body(send, _relayed(request, chunk))
+                        if request.ids is not None:
+                            await _send_body(send, request.ids.flush())
             except TimeoutError as expired:
                 # A timer may fire up to its resolution early: one that fires that close to
                 # the total deadline is the deadline's.
@@ -304,8 +334,9 @@ class AttemptRelay:
                 error = UpstreamProtocolError(str(exc), code="upstream_malformed_event")
             else:
                 ctx.relayed_events += scanner.data_events
-                ctx.usage = scanner.usage
-                ctx.response_model = scanner.model
+                if ctx.response_id is None:  # a stored response's usage counted when it was made
+                    ctx.usage = scanner.usage
+                    ctx.response_model = scanner.model
                 if transcript is not None and transcript.continuing:
                     ctx.usage = transcript.usage
                 last = b""
@@ -313,6 +344,8 @@ class AttemptRelay:
                     # The engine's error event, in OpenAI's shape, ends the stream.
                     ctx.outcome = "upstream_error_event"
                     event_error = _event_error(scanner.error, request.prompt_param)
+                    if request.ids is not None:
+                        event_error.message = request.ids.text(event_error.message)
                     record.failed(judge(event_error))
                     last = event_error.to_stream_event(ctx.route, ctx.relayed_events)
                 ctx.responded = True
@@ -336,6 +369,10 @@ async def _commit(ctx: RequestContext, send: Send, first: bytes) -> None:
     ctx.first_token_at = time.perf_counter()
     await send({"type": "http.response.start", "status": 200, "headers": headers})
     await send({"type": "http.response.body", "body": first, "more_body": True})
+
+
+def _relayed(request: _Request, data: bytes) -> bytes:
+    return data if request.ids is None else request.ids.events(data)
 
 
 async def _send_body(send: Send, body: bytes) -> None:

@@ -5,7 +5,9 @@ fails before the commit point with a retriable error (kvgate/upstream/attempts.p
 forwarder backs off (full jitter) and tries another endpoint from `picker.choose(ctx,
 exclude=tried)`, at most `max_attempts` in all, within the request's deadline, while the
 pool's retry budget and client-side throttle allow. Each attempt is one `AttemptRelay.run`
-(kvgate/upstream/attempt_relay.py), which owns the commit point.
+(kvgate/upstream/attempt_relay.py), which owns the commit point. A request pinned to the
+endpoint that stores its Responses API conversation (`ctx.pinned`) is never retried elsewhere:
+no other engine has it.
 
 A failure after the commit point ends the stream with an OpenAI-shaped error event, never with
 silence or a fake `[DONE]` — unless the pool opted in to `resume`, in which case the answer
@@ -134,7 +136,8 @@ class Forwarder:
         is retried even when the budget is spent: the budget stops retry storms on a sick
         pool, not the redirection of requests away from one dead engine."""
         verdict = judge(error, limits.client_shortened)
-        if not verdict.retriable or ctx.client_gone:
+        # A request pinned to the endpoint storing its response has nowhere else to go.
+        if not verdict.retriable or ctx.client_gone or ctx.pinned is not None:
             raise self._final(error)
         pool = tried[0].pool
         settings = self.resilience.settings.retries

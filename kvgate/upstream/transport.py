@@ -1,5 +1,5 @@
 """The data-path HTTP client: POST a request to an engine over a pooled HTTP/1.1 connection and
-hand back its answer as it arrives.
+hand back its answer as it arrives (the `/v1/responses/{id}` routes also GET and others).
 
 Why its own client on httptools and not a general one: the data path needs exactly one thing
 (a POST with a body in memory, an answer streamed back, keep-alive) and pays for every layer
@@ -37,7 +37,9 @@ __all__ = [
 ]
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
-_MAX_TARGETS = 4096  # parsed URLs kept; endpoints x paths, so a handful in practice
+# Parsed POST targets kept: endpoints x inference paths, and a cancel's path per response
+# cancelled, which the bound clears now and then (a target costs microseconds to parse again).
+_MAX_TARGETS = 4096
 
 
 class UpstreamResponse:
@@ -99,10 +101,19 @@ class UpstreamTransport:
         self._targets: dict[str, tuple[Origin, bytes]] = {}
 
     async def open(
-        self, url: str, headers: Headers, body: bytes, connect_timeout: float | None = None
+        self,
+        url: str,
+        headers: Headers,
+        body: bytes,
+        connect_timeout: float | None = None,
+        method: bytes = b"POST",
     ) -> UpstreamResponse:
-        """POST `body` and return once the response status and headers arrived."""
-        target = self._targets.get(url) or self._parse(url)
+        """Send `body` with `method` (the `/v1/responses/{id}` routes send others than POST)
+        and return once the response status and headers arrived."""
+        if method == b"POST":
+            target = self._targets.get(url) or self._parse(url)
+        else:
+            target = self._parse(url, method)
         origin, head_start = target
         head = b"".join(
             [
@@ -121,18 +132,21 @@ class UpstreamTransport:
             raise
         return UpstreamResponse(conn, self._pool)
 
-    def _parse(self, url: str) -> tuple[Origin, bytes]:
-        """The engine's address and the request line and Host header for `url`."""
+    def _parse(self, url: str, method: bytes = b"POST") -> tuple[Origin, bytes]:
+        """The engine's address and the request line and Host header for `method` on `url`
+        (kept for a POST)."""
         parts = urlsplit(url)
         host = parts.hostname or ""
         port = parts.port or _DEFAULT_PORTS[parts.scheme]
         path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         name = f"[{host}]" if ":" in host else host  # an IPv6 literal keeps its brackets
         host_header = name if port == _DEFAULT_PORTS[parts.scheme] else f"{name}:{port}"
-        line = f"POST {path} HTTP/1.1\r\nhost: {host_header}\r\n".encode("latin-1")
-        if len(self._targets) >= _MAX_TARGETS:
-            self._targets.clear()
-        target = self._targets[url] = (Origin(parts.scheme, host, port), line)
+        line = f"{method.decode()} {path} HTTP/1.1\r\nhost: {host_header}\r\n".encode("latin-1")
+        target = (Origin(parts.scheme, host, port), line)
+        if method == b"POST":
+            if len(self._targets) >= _MAX_TARGETS:
+                self._targets.clear()
+            self._targets[url] = target
         return target
 
     async def aclose(self) -> None:

@@ -351,3 +351,21 @@ def test_serve_refuses_an_unsupported_otel_exporter_without_starting(tmp_path):
     assert result.returncode == 1
     assert "$OTEL_TRACES_EXPORTER: unsupported trace exporter 'zipkin'" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_retrieve_is_traced_under_its_method_and_route_never_its_id(traced):
+    options = EngineOptions(profile="fast", responses_store=True)
+    with SimFleet.in_thread(engines=1, options=options) as storing:
+        _, server, exporter = traced(traced_config(storing))
+        client = sdk_client(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        created = client.responses.create(model=MODEL, input="hello", max_output_tokens=2)
+        assert client.responses.retrieve(created.id).id == created.id
+    _, root = requests_traced(exporter, 2)
+    assert root.name == "GET /v1/responses/{response_id}"
+    attributes = dict(root.attributes or {})
+    assert attributes["http.request.method"] == "GET"
+    assert attributes["http.route"] == "/v1/responses/{response_id}"
+    assert attributes["kvgate.endpoint"] == "default-0"
+    # Auth is its own span; the stage that reads the id only reads the fleet (folded).
+    assert [s.name for s in children(exporter, root)] == ["kvgate.auth", "responses_retrieve"]
+    assert created.id.split("_kvg")[0] not in str(root.attributes)

@@ -10,7 +10,7 @@ import pytest
 from kvgate.errors import NotFound, Overloaded
 from kvgate.routing.policy import build_policy
 from kvgate.routing.policy_catalog import builtin_policy
-from kvgate.routing.router import ModelFallbackStage, PolicyPicker, PoolRouter
+from kvgate.routing.router import ModelFallbackStage, PickStage, PolicyPicker, PoolRouter
 from kvgate.routing.services import RoutingServices
 from kvgate.routing.settings import RoutingConfig
 from tests.routing.helpers import ctx, endpoint, fleet, telemetry
@@ -178,6 +178,30 @@ async def test_no_fallback_to_a_model_that_cannot_take_the_request_either():
     assert await _model_after_fallback(router) == "m"
     small.drained = False
     assert await _model_after_fallback(router) == "m-small"
+
+
+async def test_a_request_pinned_to_its_stored_conversation_keeps_its_model_and_endpoint():
+    """A `previous_response_id` continues where its conversation is stored (`ctx.pinned`): no
+    fallback model, no pick, and that endpoint checked again when the request would be sent."""
+    a = endpoint("a", telemetry=telemetry(waiting=9))
+    b = endpoint("b", telemetry=telemetry(waiting=20), prefill_tokens=5000)
+    small = endpoint("small", model="m-small", pool="spare")
+    picker, services = _picker(
+        a, b, small, policy=build_policy({"fallback": {"model": "m-small"}}, "p")
+    )
+    spare = PolicyPicker(picker.fleet, "spare", builtin_policy("kvgate"), services)
+    router = PoolRouter(picker.fleet, {"p": picker, "spare": spare})
+    assert await _model_after_fallback(router) == "m-small"  # saturated: unpinned falls back
+    assert router.choose(ctx()) is a
+    request = ctx()
+    request.pinned = b
+    assert await _model_after_fallback(router, request) == "m"
+    await PickStage(router)(request)
+    assert request.endpoint is b and request.prefix is None  # not routed by prefix
+    b.drained = True
+    with pytest.raises(Overloaded) as unavailable:
+        await PickStage(router)(request)
+    assert unavailable.value.code == "stored_response_unavailable"
 
 
 def test_jurisdiction_filter_applies_residency():

@@ -78,7 +78,12 @@ class ScriptedTransport:
         self.responses: list[FakeResponse] = []
 
     async def open(
-        self, url: str, headers: Headers, body: bytes, connect_timeout: float | None = None
+        self,
+        url: str,
+        headers: Headers,
+        body: bytes,
+        connect_timeout: float | None = None,
+        method: bytes = b"POST",
     ) -> FakeResponse:
         endpoint = url.removesuffix("/v1/chat/completions")
         self.opened.append(endpoint)
@@ -233,6 +238,19 @@ async def test_attempts_stop_at_max_attempts():
         await r.forwarder(request(r), r.send)
     assert r.transport.opened == URLS[:2]
     assert r.observer.denied == ["attempts"]
+    r.assert_released()
+
+
+@pytest.mark.parametrize("first", [ConnectFailed("refused"), failed(503)])
+async def test_a_pinned_request_is_never_retried_elsewhere(first):
+    """It continues a stored conversation that only its endpoint holds."""
+    r = rig({URLS[0]: [first], URLS[1]: [stream(event("a"), DONE)]})
+    ctx = request(r)
+    ctx.pinned = ctx.endpoint
+    with pytest.raises(KvgateError):
+        await r.forwarder(ctx, r.send)
+    assert r.transport.opened == URLS[:1] and r.sent == []
+    assert r.observer.denied == []
     r.assert_released()
 
 

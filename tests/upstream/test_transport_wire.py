@@ -124,6 +124,35 @@ async def test_content_length_chunked_and_close_delimited_bodies(serve):
         await transport.aclose()
 
 
+async def test_another_method_is_sent_on_the_same_connections(serve):
+    """The `/v1/responses/{id}` routes GET or cancel with the client's method and query."""
+    heads: list[bytes] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for _ in range(2):
+            heads.append((await read_request(reader)).split(b"\r\n", 1)[0])
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+            await writer.drain()
+        await reader.read()
+
+    server = await serve(handler)
+    base = server.url.removesuffix("/v1/chat/completions")
+    transport = UpstreamTransport(UpstreamConfig(), connect_timeout=5)
+    try:
+        for method in (b"GET", b"DELETE"):
+            url = f"{base}/v1/responses/resp_1?stream=true"
+            response = await transport.open(url, HEADERS, b"", method=method)
+            assert await response.read() == b"{}"
+            response.close()
+    finally:
+        await transport.aclose()
+    assert heads == [
+        b"GET /v1/responses/resp_1?stream=true HTTP/1.1",
+        b"DELETE /v1/responses/resp_1?stream=true HTTP/1.1",
+    ]
+    assert server.connections == 1
+
+
 async def test_an_informational_answer_before_the_real_one_is_skipped(serve):
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
