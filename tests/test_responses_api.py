@@ -4,6 +4,7 @@ simulator; a clean 404 naming the reason where the pool's engines do not serve i
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -13,6 +14,7 @@ import pytest
 from kvgate.sim import EngineOptions, SimFleet
 from tests.chain.helpers import make_key, tenant
 from tests.conftest import gateway_config
+from tests.metrics_text import sample_value
 from tests.sdk_clients import sdk_client
 
 KEY, KEY_ENTRY = make_key("acme-1")
@@ -132,3 +134,53 @@ def test_malformed_responses_requests_are_400(fleet, start_gateway, body, param)
     _, server = start_gateway(gateway_config(list(fleet.urls), pool={"models": ["sim-model"]}))
     response = httpx.post(server.url + "/v1/responses", json=body)
     assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+def test_responses_tokens_and_cost_are_counted_as_chat_tokens_are(fleet, start_gateway):
+    """The Responses API reports `input_tokens` / `output_tokens`; the gateway's token
+    counters and cost read them as the prompt and completion tokens they are."""
+    _, server = start_gateway(
+        gateway_config(
+            list(fleet.urls),
+            pool={
+                "models": ["sim-model"],
+                "price": {
+                    "input_per_mtok": 1.0,
+                    "cached_input_per_mtok": 0.5,
+                    "output_per_mtok": 4.0,
+                },
+            },
+            auth="none",
+        )
+    )
+    client = sdk_client(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    context = "the shared context of every question here. " * 40
+    usages = [
+        client.responses.create(
+            model="sim-model", input=f"{context} {i}", max_output_tokens=4
+        ).usage
+        for i in range(2)
+    ]
+    streamed = list(
+        client.responses.create(
+            model="sim-model", input=f"{context} streamed", max_output_tokens=4, stream=True
+        )
+    )
+    usages.append(streamed[-1].response.usage)
+    prompt = sum(u.input_tokens for u in usages)
+    completion = sum(u.output_tokens for u in usages)
+    cached = sum(u.input_tokens_details.cached_tokens for u in usages)
+    assert cached > 0, "the engine never reported a prefix-cache hit"
+    dollars = ((prompt - cached) * 1.0 + cached * 0.5 + completion * 4.0) / 1e6
+    labels = {"tenant": "anonymous", "model": "sim-model", "pool": "default"}
+    deadline = time.monotonic() + 5  # each request is settled just after its answer
+    while True:
+        text = httpx.get(server.url + "/metrics").text
+        counted = sample_value(text, "kvgate_completion_tokens_total", **labels)
+        if counted == completion or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert sample_value(text, "kvgate_prompt_tokens_total", **labels) == prompt
+    assert sample_value(text, "kvgate_completion_tokens_total", **labels) == completion
+    assert sample_value(text, "kvgate_cached_prompt_tokens_total", **labels) == cached
+    assert sample_value(text, "kvgate_cost_dollars_total", **labels) == pytest.approx(dollars)

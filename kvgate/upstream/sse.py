@@ -30,6 +30,8 @@ from typing import Any
 
 import orjson
 
+from kvgate.upstream.answer_usage import in_chat_terms
+
 _BOUNDARY = re.compile(rb"\r?\n\r?\n")
 # Engines that send `"usage": null` on every chunk: nothing to read there.
 _NULL_USAGE = re.compile(rb'"usage"\s*:\s*null')
@@ -198,7 +200,7 @@ class SseScanner:
             return
         usage = response.get("usage")
         if isinstance(usage, dict):
-            self.usage = usage
+            self.usage = in_chat_terms(usage)
             self.model = _model_of(response)
 
     def _inspect(self, data: bytes) -> bool:
