@@ -9,6 +9,7 @@ import pytest
 from kvgate.app import GatewayApp
 from kvgate.config import parse_config
 from kvgate.http_server import HeaderDeadlineProtocol
+from kvgate.sim import EngineOptions, SimFleet
 from tests.sdk_clients import close_sdk_clients
 from tests.servers import ServerThread
 from tests.upstreams import ScriptedUpstream
@@ -82,3 +83,11 @@ def gateway(
     start_gateway: Callable[..., tuple[GatewayApp, ServerThread]],
 ) -> tuple[GatewayApp, ServerThread]:
     return start_gateway(gateway_config([upstream[1].url]))
+
+
+@pytest.fixture(scope="module")
+def store_fleet() -> Iterator[SimFleet]:
+    """Two fast simulated engines with the Responses API store on (one per test module)."""
+    options = EngineOptions(profile="fast", responses_store=True)
+    with SimFleet.in_thread(engines=2, options=options) as sim:
+        yield sim

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -18,6 +17,7 @@ import pytest
 from kvgate.sim import EngineOptions, SimFleet
 from tests.chain.helpers import make_key, tenant
 from tests.conftest import gateway_config
+from tests.responses_store_fleet import received
 from tests.sdk_clients import sdk_client
 from tests.servers import ServerThread
 
@@ -27,20 +27,13 @@ ISSUED = re.compile(r"resp_[0-9a-f]{32}_kvg[0-9a-f]{16}")
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[SimFleet]:
-    options = EngineOptions(profile="fast", responses_store=True)
-    with SimFleet.in_thread(engines=2, options=options) as sim:
-        yield sim
-
-
 @pytest.fixture
-def client(fleet, start_gateway) -> openai.OpenAI:
+def client(store_fleet, start_gateway) -> openai.OpenAI:
     """A gateway over both engines that alternates between them (round robin): a request it
     routed, rather than pinned, would land on the engine without the conversation. The tenant
     may use `sim-*` models only (the routes under an id name none)."""
     config = gateway_config(
-        fleet.urls,
+        store_fleet.urls,
         pool={"models": ["sim-model"], "policy": "round_robin"},
         auth={"tenants": [tenant("acme", "gold", [ACME_ENTRY], models=["sim-*"])]},
     )
@@ -48,34 +41,30 @@ def client(fleet, start_gateway) -> openai.OpenAI:
     return sdk_client(base_url=server.url + "/v1", api_key=ACME_KEY, max_retries=0)
 
 
-def storing(fleet: SimFleet, response_id: str) -> list[int]:
+def storing(store_fleet: SimFleet, response_id: str) -> list[int]:
     """The engines (indexes) that store the response the issued `response_id` names."""
     engine_id = response_id.rsplit("_kvg", 1)[0]
-    return [i for i, engine in enumerate(fleet.engines) if engine_id in engine.responses]
+    return [i for i, engine in enumerate(store_fleet.engines) if engine_id in engine.responses]
 
 
-def received(fleet: SimFleet) -> list[int]:
-    return [engine.stats()["requests_received"] for engine in fleet.engines]
-
-
-def test_a_created_response_is_retrieved_by_the_id_the_client_got(fleet, client):
+def test_a_created_response_is_retrieved_by_the_id_the_client_got(store_fleet, client):
     created = client.responses.create(
         model="sim-model", input="Tell me about rivers", max_output_tokens=6
     )
     assert ISSUED.fullmatch(created.id)
-    [home] = storing(fleet, created.id)
-    before = received(fleet)
+    [home] = storing(store_fleet, created.id)
+    before = received(store_fleet)
     retrieved = client.responses.retrieve(created.id)
     assert retrieved.id == created.id and retrieved.output_text == created.output_text
-    assert [after - b for after, b in zip(received(fleet), before, strict=True)] == [
+    assert [after - b for after, b in zip(received(store_fleet), before, strict=True)] == [
         int(i == home) for i in range(2)
     ]
 
 
 def test_a_retrieve_settles_without_the_usage_the_response_was_charged_at_its_making(
-    fleet, start_gateway
+    store_fleet, start_gateway
 ):
-    app, server = start_gateway(gateway_config(fleet.urls, auth="none"))
+    app, server = start_gateway(gateway_config(store_fleet.urls, auth="none"))
     settled: list[tuple[str, object]] = []
     settle = app.stored_chain.settle
 
@@ -90,10 +79,10 @@ def test_a_retrieve_settles_without_the_usage_the_response_was_charged_at_its_ma
     assert settled == [("responses_retrieve", None)]
 
 
-def test_a_conversation_continues_on_the_engine_that_stores_it(fleet, client):
+def test_a_conversation_continues_on_the_engine_that_stores_it(store_fleet, client):
     turn = client.responses.create(model="sim-model", input="Once upon a time", max_output_tokens=4)
-    [home] = storing(fleet, turn.id)
-    before = received(fleet)
+    [home] = storing(store_fleet, turn.id)
+    before = received(store_fleet)
     prompts = [turn.usage.input_tokens]
     for text in ("there was a river", "and a stone", "and a bridge"):
         previous = turn.id
@@ -101,15 +90,15 @@ def test_a_conversation_continues_on_the_engine_that_stores_it(fleet, client):
             model="sim-model", input=text, max_output_tokens=4, previous_response_id=previous
         )
         assert ISSUED.fullmatch(turn.id) and turn.previous_response_id == previous
-        assert storing(fleet, turn.id) == [home]
+        assert storing(store_fleet, turn.id) == [home]
         prompts.append(turn.usage.input_tokens)
     assert prompts == sorted(prompts) and len(set(prompts)) == 4  # the stored turns come first
-    assert [after - b for after, b in zip(received(fleet), before, strict=True)] == [
+    assert [after - b for after, b in zip(received(store_fleet), before, strict=True)] == [
         3 * int(i == home) for i in range(2)
     ]
 
 
-def test_every_id_of_a_stream_is_the_issued_one_and_retrieves_it(fleet, client):
+def test_every_id_of_a_stream_is_the_issued_one_and_retrieves_it(store_fleet, client):
     events = list(
         client.responses.create(
             model="sim-model", input="Stream a story", max_output_tokens=5, stream=True
@@ -122,20 +111,20 @@ def test_every_id_of_a_stream_is_the_issued_one_and_retrieves_it(fleet, client):
         "response.incomplete",
     ]
     assert len(set(ids)) == 1 and ISSUED.fullmatch(ids[0])
-    assert storing(fleet, ids[0])
+    assert storing(store_fleet, ids[0])
     assert client.responses.retrieve(ids[0]).output_text == events[-1].response.output_text
 
 
 def test_a_cancel_reaches_the_engine_that_stores_the_response_and_its_answer_is_relayed(
-    fleet, client
+    store_fleet, client
 ):
     created = client.responses.create(model="sim-model", input="Be quick", max_output_tokens=3)
-    [home] = storing(fleet, created.id)
-    before = received(fleet)
+    [home] = storing(store_fleet, created.id)
+    before = received(store_fleet)
     with pytest.raises(openai.BadRequestError) as refused:  # vLLM: not a background response
         client.responses.cancel(created.id)
     assert refused.value.body["message"] == "Cannot cancel a synchronous response."
-    assert [after - b for after, b in zip(received(fleet), before, strict=True)] == [
+    assert [after - b for after, b in zip(received(store_fleet), before, strict=True)] == [
         int(i == home) for i in range(2)
     ]
 

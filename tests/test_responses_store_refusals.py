@@ -3,29 +3,23 @@ leaves nothing behind, however it is given: retrieved, cancelled or continued.""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
 
 from kvgate.app import GatewayApp
-from kvgate.sim import EngineOptions, SimFleet
+from kvgate.sim import SimFleet
 from tests.chain.helpers import IDLE, admission_state, make_key, tenant
 from tests.conftest import gateway_config
+from tests.responses_store_fleet import received
 from tests.servers import ServerThread
 
 ACME_KEY, ACME_ENTRY = make_key("acme-1")
 GLOBEX_KEY, GLOBEX_ENTRY = make_key("globex-1")
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(scope="module")
-def fleet() -> Iterator[SimFleet]:
-    options = EngineOptions(profile="fast", responses_store=True)
-    with SimFleet.in_thread(engines=2, options=options) as sim:
-        yield sim
 
 
 def config(urls: list[str]) -> dict[str, Any]:
@@ -43,8 +37,8 @@ def config(urls: list[str]) -> dict[str, Any]:
 
 
 @pytest.fixture
-def gateway(fleet, start_gateway) -> tuple[GatewayApp, ServerThread]:
-    return start_gateway(config(fleet.urls))
+def gateway(store_fleet, start_gateway) -> tuple[GatewayApp, ServerThread]:
+    return start_gateway(config(store_fleet.urls))
 
 
 def create(server: ServerThread, key: str = ACME_KEY, **body: Any) -> httpx.Response:
@@ -88,16 +82,12 @@ ASKS: list[tuple[Callable[[ServerThread, str], httpx.Response], str]] = [
 ]
 
 
-def stored(fleet: SimFleet, server: ServerThread, key: str = ACME_KEY) -> tuple[str, int]:
+def stored(store_fleet: SimFleet, server: ServerThread, key: str = ACME_KEY) -> tuple[str, int]:
     """A response created through `server` for `key`'s tenant: its id and the engine storing it."""
     response_id = create(server, key).json()["id"]
     engine_id = response_id.rsplit("_kvg", 1)[0]
-    [home] = [i for i, e in enumerate(fleet.engines) if engine_id in e.responses]
+    [home] = [i for i, e in enumerate(store_fleet.engines) if engine_id in e.responses]
     return response_id, home
-
-
-def received(fleet: SimFleet) -> list[int]:
-    return [engine.stats()["requests_received"] for engine in fleet.engines]
 
 
 def assert_refused_cleanly(
@@ -105,7 +95,7 @@ def assert_refused_cleanly(
     status: int,
     code: str,
     param: str | None,
-    fleet: SimFleet,
+    store_fleet: SimFleet,
     before: list[int],
     app: GatewayApp,
     server: ServerThread,
@@ -115,55 +105,63 @@ def assert_refused_cleanly(
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert (error["code"], error["param"]) == (code, param)
     assert answer.headers["x-request-id"]
-    assert received(fleet) == before  # no engine reached
+    assert received(store_fleet) == before  # no engine reached
     assert admission_state(app, server) == IDLE
     assert [e.inflight for e in app.fleet.endpoints] == [0] * len(app.fleet.endpoints)
 
 
 @pytest.mark.parametrize(("ask", "param"), ASKS)
-def test_an_id_the_gateway_did_not_issue_is_404(fleet, gateway, ask, param):
+def test_an_id_the_gateway_did_not_issue_is_404(store_fleet, gateway, ask, param):
     app, server = gateway
-    before = received(fleet)
+    before = received(store_fleet)
     answer = ask(server, "resp_0f3c6d2e9a8b47c1b2d3e4f5a6b7c8d9")
-    assert_refused_cleanly(answer, 404, "unknown_response_id", param, fleet, before, app, server)
+    assert_refused_cleanly(
+        answer, 404, "unknown_response_id", param, store_fleet, before, app, server
+    )
     assert "did not issue" in answer.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(("ask", "param"), ASKS)
-def test_a_forged_suffix_is_404(fleet, gateway, ask, param):
+def test_a_forged_suffix_is_404(store_fleet, gateway, ask, param):
     app, server = gateway
-    response_id, _ = stored(fleet, server)
+    response_id, _ = stored(store_fleet, server)
     forged = response_id[:-1] + ("0" if response_id[-1] != "0" else "1")
-    before = received(fleet)
+    before = received(store_fleet)
     answer = ask(server, forged)
-    assert_refused_cleanly(answer, 404, "response_not_found", param, fleet, before, app, server)
+    assert_refused_cleanly(
+        answer, 404, "response_not_found", param, store_fleet, before, app, server
+    )
 
 
 @pytest.mark.parametrize(("ask", "param"), ASKS)
-def test_another_tenants_id_is_404(fleet, gateway, ask, param):
+def test_another_tenants_id_is_404(store_fleet, gateway, ask, param):
     app, server = gateway
-    theirs, _ = stored(fleet, server, GLOBEX_KEY)
-    before = received(fleet)
+    theirs, _ = stored(store_fleet, server, GLOBEX_KEY)
+    before = received(store_fleet)
     answer = ask(server, theirs)
-    assert_refused_cleanly(answer, 404, "response_not_found", param, fleet, before, app, server)
+    assert_refused_cleanly(
+        answer, 404, "response_not_found", param, store_fleet, before, app, server
+    )
 
 
 @pytest.mark.parametrize(("ask", "param"), ASKS)
-def test_an_id_whose_engine_left_the_fleet_is_404(fleet, gateway, start_gateway, ask, param):
+def test_an_id_whose_engine_left_the_fleet_is_404(store_fleet, gateway, start_gateway, ask, param):
     _, first = gateway
-    response_id, home = stored(fleet, first)
-    app, server = start_gateway(config([fleet.urls[1 - home]]))  # a gateway without it
-    before = received(fleet)
+    response_id, home = stored(store_fleet, first)
+    app, server = start_gateway(config([store_fleet.urls[1 - home]]))  # a gateway without it
+    before = received(store_fleet)
     answer = ask(server, response_id)
-    assert_refused_cleanly(answer, 404, "response_not_found", param, fleet, before, app, server)
+    assert_refused_cleanly(
+        answer, 404, "response_not_found", param, store_fleet, before, app, server
+    )
 
 
-def test_an_id_serves_on_another_gateway_with_the_same_engines(fleet, gateway, start_gateway):
+def test_an_id_serves_on_another_gateway_with_the_same_engines(store_fleet, gateway, start_gateway):
     """No state in the gateway: a replica (or a restart, or a reload) that knows the engine by
     its URL serves it, whatever it calls it (the engines listed the other way round)."""
     _, first = gateway
-    response_id, _ = stored(fleet, first)
-    _, other = start_gateway(config(list(reversed(fleet.urls))))
+    response_id, _ = stored(store_fleet, first)
+    _, other = start_gateway(config(list(reversed(store_fleet.urls))))
     assert retrieve(other, response_id).json()["id"] == response_id
 
 
@@ -178,58 +176,58 @@ def _mark(app: GatewayApp, server: ServerThread, url: str, **state: Any) -> None
 
 
 @pytest.mark.parametrize(("ask", "param"), ASKS)
-def test_an_id_whose_engine_is_unhealthy_is_503(fleet, gateway, ask, param):
+def test_an_id_whose_engine_is_unhealthy_is_503(store_fleet, gateway, ask, param):
     app, server = gateway
-    response_id, home = stored(fleet, server)
-    _mark(app, server, fleet.urls[home], healthy=False)
-    before = received(fleet)
+    response_id, home = stored(store_fleet, server)
+    _mark(app, server, store_fleet.urls[home], healthy=False)
+    before = received(store_fleet)
     answer = ask(server, response_id)
     assert_refused_cleanly(
-        answer, 503, "stored_response_unavailable", None, fleet, before, app, server
+        answer, 503, "stored_response_unavailable", None, store_fleet, before, app, server
     )
     assert answer.headers["retry-after"] == "1"
 
 
-def test_a_drained_engine_answers_for_what_it_stores_but_continues_nothing(fleet, gateway):
+def test_a_drained_engine_answers_for_what_it_stores_but_continues_nothing(store_fleet, gateway):
     app, server = gateway
-    response_id, home = stored(fleet, server)
-    _mark(app, server, fleet.urls[home], drained=True)
+    response_id, home = stored(store_fleet, server)
+    _mark(app, server, store_fleet.urls[home], drained=True)
     assert retrieve(server, response_id).status_code == 200
-    before = received(fleet)
+    before = received(store_fleet)
     answer = continuation(server, response_id)
     assert_refused_cleanly(
-        answer, 503, "stored_response_unavailable", None, fleet, before, app, server
+        answer, 503, "stored_response_unavailable", None, store_fleet, before, app, server
     )
 
 
-def test_a_draining_gateway_refuses_the_id_routes_as_it_refuses_new_requests(fleet, gateway):
+def test_a_draining_gateway_refuses_the_id_routes_as_it_refuses_new_requests(store_fleet, gateway):
     app, server = gateway
-    response_id, _ = stored(fleet, server)
+    response_id, _ = stored(store_fleet, server)
 
     async def drain() -> None:
         app.begin_drain(60)
 
     server.call(drain())
-    before = received(fleet)
+    before = received(store_fleet)
     answer = retrieve(server, response_id)
-    assert_refused_cleanly(answer, 503, "draining", None, fleet, before, app, server)
+    assert_refused_cleanly(answer, 503, "draining", None, store_fleet, before, app, server)
 
 
 @pytest.mark.parametrize("method", ["HEAD", "OPTIONS"])
-def test_a_method_the_gateway_does_not_forward_is_405(fleet, gateway, method):
+def test_a_method_the_gateway_does_not_forward_is_405(store_fleet, gateway, method):
     _, server = gateway
-    response_id, _ = stored(fleet, server)
-    before = received(fleet)
+    response_id, _ = stored(store_fleet, server)
+    before = received(store_fleet)
     answer = httpx.request(method, f"{server.url}/v1/responses/{response_id}")
     assert answer.status_code == 405
     assert answer.headers["allow"] == "GET, POST, DELETE, PUT, PATCH"
-    assert received(fleet) == before
+    assert received(store_fleet) == before
 
 
-def test_a_previous_response_id_that_is_not_a_string_is_400(fleet, gateway):
+def test_a_previous_response_id_that_is_not_a_string_is_400(store_fleet, gateway):
     app, server = gateway
-    before = received(fleet)
+    before = received(store_fleet)
     answer = create(server, previous_response_id=7)
     assert_refused_cleanly(
-        answer, 400, "invalid_type", "previous_response_id", fleet, before, app, server
+        answer, 400, "invalid_type", "previous_response_id", store_fleet, before, app, server
     )
