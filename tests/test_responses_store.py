@@ -13,6 +13,7 @@ import httpx
 import openai
 import orjson
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.sim import EngineOptions, SimFleet
 from tests.chain.helpers import make_key, tenant
@@ -77,6 +78,13 @@ def test_a_retrieve_settles_without_the_usage_the_response_was_charged_at_its_ma
     created = client.responses.create(model="sim-model", input="Count me", max_output_tokens=2)
     assert client.responses.retrieve(created.id).usage == created.usage
     assert settled == [("responses_retrieve", None)]
+    tasks = [
+        (sample.labels["model"], sample.value)
+        for family in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)
+        for sample in family.samples
+        if sample.name == "kvgate_successful_tasks_total"
+    ]
+    assert tasks == [("sim-model", 1.0)]  # the create; reading it back is no task
 
 
 def test_a_conversation_continues_on_the_engine_that_stores_it(store_fleet, client):

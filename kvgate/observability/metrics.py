@@ -224,8 +224,11 @@ class GatewayMetrics:
 
 def successful_task(ctx: RequestContext) -> str | None:
     """`request` for a request answered completely with a 2xx; for a request of a workflow,
-    `workflow` when it is the last step (`n/n`) and None for the steps before it."""
+    `workflow` when it is the last step (`n/n`) and None for the steps before it. Reading or
+    cancelling a stored response (`ctx.response_id`) is no task: the create that made it was."""
     if ctx.outcome != "ok" or not 200 <= ctx.status < 300 or not ctx.responded:
+        return None
+    if ctx.response_id is not None:
         return None
     workflow = ctx.options.workflow
     if workflow is None:
