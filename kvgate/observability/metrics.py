@@ -228,7 +228,7 @@ def successful_task(ctx: RequestContext) -> str | None:
     cancelling a stored response (`ctx.response_id`) is no task: the create that made it was."""
     if ctx.outcome != "ok" or not 200 <= ctx.status < 300 or not ctx.responded:
         return None
-    if ctx.response_id is not None:
+    if ctx.response_id is not None:  # a stored response read or cancelled
         return None
     workflow = ctx.options.workflow
     if workflow is None:

@@ -283,8 +283,7 @@ class AttemptRelay:
                     first = b"".join(pending)
                     if transcript is not None:
                         first = transcript.shape(first)
-                    if request.ids is not None:
-                        first = request.ids.events(first)
+                    first = _relayed(request, first)
                     endpoint.first_token(ctx)  # prefill done: the attempt now counts as decoding
                     record.first_token()
                     if ctx.committed:
@@ -302,8 +301,8 @@ class AttemptRelay:
                         out = scanner.feed(await anext(chunks))
                         if transcript is not None and out:
                             out = transcript.shape(out)
-                        if request.ids is not None and out:
-                            out = request.ids.events(out)
+                        if out:
+                            out = _relayed(request, out)
                         # Inter-token latency: a chunk that relays an event other than [DONE]
                         # (`done` can only have turned True in this chunk).
                         if scanner.data_events - events > scanner.done:
