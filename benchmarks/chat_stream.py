@@ -33,6 +33,7 @@ class Streamed:
     cached_tokens: int = 0
     endpoint: str = ""
     explain: str = ""
+    response_id: str = ""  # the answer's `id`
     error: str = ""
 
 
@@ -72,6 +73,8 @@ async def stream_chat(
                 if not line.startswith(b"data: {"):
                     continue
                 event = orjson.loads(line[6:])
+                if not into.response_id:
+                    into.response_id = event.get("id") or ""
                 choices = event.get("choices") or [{}]
                 if into.ttft is None and (choices[0].get("delta") or {}).get("content"):
                     into.ttft = loop.time() - intended

@@ -61,7 +61,7 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,7 @@ import httpx
 import peer_router
 import precise_cost
 import routing_report
+import ttft_breakdown
 from cache_ideals import CacheIdeals, cache_ideals
 from chat_stream import Streamed, client_session, stream_chat
 from routing_report import SLOW_TTFT_SECONDS, Row
@@ -279,9 +280,15 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def run_cell(args: argparse.Namespace, router: str, plans: list[Planned]) -> dict[str, Any]:
+def run_cell(
+    args: argparse.Namespace,
+    router: str,
+    plans: list[Planned],
+    floors: Sequence[float] | None = None,
+) -> dict[str, Any]:
     """One replay of `plans` through `router` on a fresh fleet: its figures, or
-    `{"unavailable": reason}` when the router cannot run here."""
+    `{"unavailable": reason}` when the router cannot run here. `floors`: each plan's TTFT
+    floor, for the slowest tenth's breakdown."""
     explain = args.cost_model and router != peer_router.NAME
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
@@ -293,6 +300,11 @@ def run_cell(args: argparse.Namespace, router: str, plans: list[Planned]) -> dic
             ):
                 results, elapsed = asyncio.run(replay(base, plans, explain))
                 engine_stats = [httpx.get(u + "/sim/stats").json() for u in urls]
+                first_tokens = {
+                    record["id"]: record
+                    for u in urls
+                    for record in httpx.get(u + "/sim/first-tokens").json()["first_tokens"]
+                }
                 metrics = httpx.get(base + "/metrics").text if router != peer_router.NAME else ""
         except peer_router.PeerUnavailable as exc:
             return {"unavailable": str(exc)}
@@ -335,6 +347,10 @@ def run_cell(args: argparse.Namespace, router: str, plans: list[Planned]) -> dic
         "slow_client": sum(1 for t in ttfts if t > SLOW_TTFT_SECONDS),
         "slow_gateway": gateway_slow_ttfts(metrics, SLOW_TTFT_SECONDS),
         "elapsed": elapsed,
+        **{
+            f"slow_{key}": value
+            for key, value in ttft_breakdown.slowest_tenth(results, floors, first_tokens).items()
+        },
     }
 
 
@@ -609,7 +625,7 @@ def run_workload(args: argparse.Namespace, workload: str) -> tuple[list[Row], st
         for router in routers:
             runs = [probes[rate]] if router == "round_robin" and rate in probes else []
             while len(runs) < args.repeats:
-                runs.append(run_cell(args, router, plans))
+                runs.append(run_cell(args, router, plans, ideals.ttft_floors))
             row = Row(workload, label, rate, router, median_of(runs), ideals, schedules)
             rows.append(row)
             print(routing_report.progress(row), flush=True)

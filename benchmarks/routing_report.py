@@ -125,6 +125,33 @@ def details_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def breakdown_table(rows: list[Row]) -> str:
+    """Where the slowest tenth's first tokens went (ttft_breakdown.py), means in ms."""
+    lines = [
+        "Where the slowest tenth's first tokens went (requests at or above the run's TTFT p90; "
+        "means in ms, medians over the runs): the floor is their own prefill of what an "
+        "infinite cache misses, alone on an engine; outside the engine is the router, the "
+        "sockets and the client; in the engine, waiting for a step, then their share of the "
+        "steps they took part in.",
+        "",
+        "| load | router | n | TTFT | floor | outside the engine | waiting | step base "
+        "| own prefill | others' prefill | decodes | steps running late |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        if not row.ran or "slow_n" not in row.stats:
+            continue
+        s = row.stats
+        parts = ("ttft", "floor", "outside", "waiting", "step_base", "own_prefill")
+        parts += ("shared_prefill", "decodes", "overrun")
+        lines.append(
+            f"| {row.load} | {row.router} | {s['slow_n']:.0f} | "
+            + " | ".join(_fmt(1000 * s[f"slow_{part}"], 0) for part in parts)
+            + " |"
+        )
+    return "\n".join(lines)
+
+
 def _verdict(ok: bool) -> str:
     return "holds" if ok else "misses"
 
@@ -231,6 +258,8 @@ def sections(rows: list[Row], args: argparse.Namespace, searches: dict[str, str]
             "<details><summary>details</summary>",
             "",
             details_table(mine),
+            "",
+            breakdown_table(mine),
             "",
             "</details>",
             "",

@@ -3,8 +3,8 @@
 Routes: the OpenAI endpoints, `/health`, `/metrics`, the flavour's extras (vLLM
 `/reset_prefix_cache`, `/v1/responses` and, under `/v1/responses/{id}`, retrieve and cancel;
 SGLang `/v1/loads`, `/get_load`, `/flush_cache`, `/health_generate`) and the simulator's own
-`/sim/stats` and `/sim/faults` (and `/sim/kv-events/faults` when the engine publishes KV
-events). Inference requests pass through the fault injector first; everything else is never
+`/sim/stats`, `/sim/first-tokens` and `/sim/faults` (and `/sim/kv-events/faults` when the
+engine publishes KV events). Inference requests pass through the fault injector first; everything else is never
 faulted.
 """
 
@@ -87,6 +87,7 @@ class EngineApp:
             ("POST", "/v1/completions"): self._completions,
             ("POST", "/v1/embeddings"): self._embeddings,
             ("GET", "/sim/stats"): self._stats,
+            ("GET", "/sim/first-tokens"): self._first_tokens,
             ("GET", "/sim/faults"): self._get_faults,
             ("POST", "/sim/faults"): self._set_faults,
             ("DELETE", "/sim/faults"): self._clear_faults,
@@ -217,6 +218,10 @@ class EngineApp:
             "kv_cache_usage": core.pool.usage,
             "responses_stored": len(self.responses),
         }
+        await _respond(send, 200, orjson.dumps(body))
+
+    async def _first_tokens(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = {"first_tokens": list(self._counters.first_tokens)}
         await _respond(send, 200, orjson.dumps(body))
 
     async def _get_faults(self, scope: Scope, receive: Receive, send: Send) -> None:

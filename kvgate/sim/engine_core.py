@@ -145,20 +145,44 @@ class EngineCore:
                 else:
                     await self._work_arrived.wait()
                 continue
-            await asyncio.sleep(max(0.0, started + self._step_seconds(batch) - loop.time()))
-            self._complete_step(batch, loop.time())
+            planned = self._step_seconds(batch)
+            await asyncio.sleep(max(0.0, started + planned - loop.time()))
+            now = loop.time()
+            self._attribute_step(batch, now - started - planned)
+            self._complete_step(batch, now)
             self._publish_kv_events()
+
+    @staticmethod
+    def _step_work(batch: list[tuple[GenerationRequest, int]]) -> tuple[int, int]:
+        """(prefill tokens, decoding sequences) of a step: a request computing one token
+        decodes."""
+        prefill_tokens = sum(count for _, count in batch if count > 1)
+        return prefill_tokens, sum(1 for _, count in batch if count == 1)
 
     def _step_seconds(self, batch: list[tuple[GenerationRequest, int]]) -> float:
         timing = self._timing
-        prefill_tokens = sum(count for _, count in batch if count > 1)
-        decodes = sum(1 for _, count in batch if count == 1)
+        prefill_tokens, decodes = self._step_work(batch)
         seconds = (
             timing.step_seconds
             + prefill_tokens * timing.prefill_token_seconds
             + decodes * timing.decode_seq_seconds
         )
         return seconds / self._options.speed
+
+    def _attribute_step(self, batch: list[tuple[GenerationRequest, int]], overrun: float) -> None:
+        """Add a step's cost, by part, to each request in it still before its first token."""
+        timing, speed = self._timing, self._options.speed
+        prefill_tokens, decodes = self._step_work(batch)
+        for request, count in batch:
+            if request.first_token_at is not None:
+                continue
+            own = count if count > 1 else 0
+            parts = request.first_token_time
+            parts.step_base += timing.step_seconds / speed
+            parts.own_prefill += own * timing.prefill_token_seconds / speed
+            parts.shared_prefill += (prefill_tokens - own) * timing.prefill_token_seconds / speed
+            parts.decodes += decodes * timing.decode_seq_seconds / speed
+            parts.overrun += overrun
 
     def _schedule(self) -> list[tuple[GenerationRequest, int]]:
         """Pick this step's work: `(request, tokens to compute)` pairs."""
@@ -339,6 +363,7 @@ class EngineCore:
             request.first_token_at = now
             counters.prompt_tokens += len(request.prompt_tokens)
             counters.time_to_first_token.observe(now - request.arrival)
+            counters.first_tokens.append(_first_token_record(request))
         else:
             assert request.last_token_at is not None
             counters.inter_token_latency.observe(now - request.last_token_at)
@@ -382,3 +407,23 @@ class EngineCore:
             if request.last_token_at is not None:
                 self._counters.e2e_latency.observe(request.last_token_at - request.arrival)
         request.notify()
+
+
+def _first_token_record(request: GenerationRequest) -> dict[str, object]:
+    """What /sim/first-tokens says of one request: its time to first token in the engine, its
+    prompt and hit, and where that time went (`waiting`: outside any step)."""
+    assert request.first_token_at is not None
+    ttft = request.first_token_at - request.arrival
+    parts = request.first_token_time
+    return {
+        "id": request.request_id,
+        "ttft": ttft,
+        "prompt_tokens": len(request.prompt_tokens),
+        "cached_tokens": request.cached_tokens or 0,
+        "waiting": ttft - parts.total(),
+        "step_base": parts.step_base,
+        "own_prefill": parts.own_prefill,
+        "shared_prefill": parts.shared_prefill,
+        "decodes": parts.decodes,
+        "overrun": parts.overrun,
+    }

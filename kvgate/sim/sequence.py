@@ -20,6 +20,22 @@ class SamplingParams:
     cache_salt: str | None = None
 
 
+@dataclass(slots=True)
+class FirstTokenTime:
+    """Where a request's time to first token went inside the engine, in seconds: its share of
+    the steps it took part in before its first token, split by what each step computed (the
+    rest of that time it waited for a step to take it)."""
+
+    step_base: float = 0.0  # the fixed cost of those steps
+    own_prefill: float = 0.0  # computing its own prompt
+    shared_prefill: float = 0.0  # other requests' prefill in the same steps
+    decodes: float = 0.0  # decoding sequences in the same steps
+    overrun: float = 0.0  # those steps running past their modelled time (a busy host CPU)
+
+    def total(self) -> float:
+        return self.step_base + self.own_prefill + self.shared_prefill + self.decodes + self.overrun
+
+
 @dataclass(eq=False)
 class GenerationRequest:
     """State of one request from submission to finish.
@@ -44,6 +60,7 @@ class GenerationRequest:
     cached_tokens: int | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
+    first_token_time: FirstTokenTime = field(default_factory=FirstTokenTime)
     # KV bookkeeping owned by the engine core.
     block_hashes: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)

@@ -1,6 +1,7 @@
 """Counters and latency histograms one engine keeps; /metrics and /sim/stats read them."""
 
 from bisect import bisect_left
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,6 +76,10 @@ E2E_BUCKETS = (
 )
 
 
+# How many of the latest first tokens /sim/first-tokens keeps (a benchmark run's worth).
+FIRST_TOKENS_KEPT = 20_000
+
+
 class Histogram:
     """A cumulative-bucket histogram with Prometheus semantics (`le` upper bounds)."""
 
@@ -117,6 +122,10 @@ class EngineCounters:
     inter_token_latency: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
     e2e_latency: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
     last_request: dict[str, Any] | None = None
+    # One record per request's first token, newest last (/sim/first-tokens).
+    first_tokens: deque[dict[str, Any]] = field(
+        default_factory=lambda: deque(maxlen=FIRST_TOKENS_KEPT)
+    )
 
     def as_json(self) -> dict[str, Any]:
         """The `/sim/stats` view: plain counters plus the last request received."""

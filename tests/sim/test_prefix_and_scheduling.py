@@ -146,3 +146,28 @@ async def test_a_prefix_scheduled_in_the_same_step_is_shared_as_vllm_shares_it(f
     cached = sorted(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
     expected = (usages[0]["prompt_tokens"] - 1) // 16 * 16 if shared else 0
     assert cached == [0, expected]
+
+
+async def test_first_tokens_say_where_each_requests_time_went():
+    # Two ~2k-token prompts at once, then the first again: speed 4, so 25 µs per prefill token.
+    options = EngineOptions(speed=4, kv_blocks=4000)
+    per_token = options.timing.prefill_token_seconds / options.speed
+    bodies = [chat_body(f"prompt {index} " + LONG_TEXT * 60, max_tokens=4) for index in range(2)]
+    async with SimFleet(1, options=options) as fleet, httpx.AsyncClient(timeout=30) as client:
+        url = fleet.urls[0]
+        pair = await asyncio.gather(*(_stream_chat(client, url, body) for body in bodies))
+        again, _ = await _stream_chat(client, url, bodies[0])
+        records = (await client.get(f"{url}/sim/first-tokens")).json()["first_tokens"]
+    streams = [events for events, _ in pair] + [again]
+    assert sorted(r["id"] for r in records) == sorted(events[0]["id"] for events in streams)
+    for record in records:
+        uncached = record["prompt_tokens"] - record["cached_tokens"]
+        assert record["own_prefill"] == pytest.approx(uncached * per_token)
+        # `waiting` is the rest of the time: never negative unless a step was counted twice.
+        assert record["waiting"] > -0.001 and record["decodes"] == 0
+    first, second, third = records
+    # Whichever came second either shared the other's step or waited for it to end.
+    delayed = max(r["waiting"] + r["shared_prefill"] for r in (first, second))
+    assert delayed >= 0.5 * min(first["own_prefill"], second["own_prefill"])
+    assert third["cached_tokens"] > 1500 and third["shared_prefill"] == 0
+    assert third["own_prefill"] < first["own_prefill"] / 10
