@@ -4,8 +4,8 @@ Routes: the OpenAI endpoints, `/health`, `/metrics`, the flavour's extras (vLLM
 `/reset_prefix_cache`, `/v1/responses` and, under `/v1/responses/{id}`, retrieve and cancel;
 SGLang `/v1/loads`, `/get_load`, `/flush_cache`, `/health_generate`) and the simulator's own
 `/sim/stats`, `/sim/first-tokens` and `/sim/faults` (and `/sim/kv-events/faults` when the
-engine publishes KV events). Inference requests pass through the fault injector first; everything else is never
-faulted.
+engine publishes KV events). Inference requests pass through the fault injector first;
+everything else is never faulted.
 """
 
 import asyncio
