@@ -12,11 +12,13 @@ taken from the median m of these errors: a move compares two predictions, so it 
 more than (1 + m) / (1 - m) (kvgate/routing/pickers.py). `placed_away` counts the requests
 the picker sent away from the candidate its index saw holding most of their prompt, and the
 prompt tokens that gave up: the part of the prefix hit a router's own placements lose,
-beside what its index got wrong.
+beside what its index got wrong. `kept_behind_queue` counts the requests placed behind a
+queue while a candidate had none, and the hit that kept.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 
@@ -110,6 +112,26 @@ def placed_away(records: list[Explained]) -> tuple[int, int, float]:
             moved += 1
             given_up += extra * record.prompt_tokens / estimate
     return moved, explained, given_up / prompt if prompt else 0.0
+
+
+def kept_behind_queue(records: list[Explained]) -> tuple[int, int, float]:
+    """Requests placed behind queued prefill while another candidate had none queued, out of
+    the explained ones, and the median prompt tokens of hit such a placement kept (the fewest
+    uncached tokens among the candidates with no queue, minus the chosen one's): what a
+    request waited for, as its router saw it. NaN median when there were none."""
+    kept: list[float] = []
+    explained = 0
+    for record in records:
+        estimate, candidates = _candidates(record.explain)
+        chosen = candidates.get(record.endpoint)
+        if not estimate or chosen is None or "queued_tokens" not in chosen:
+            continue
+        explained += 1
+        idle = [f for f in candidates.values() if float(f["queued_tokens"]) == 0]
+        if idle and float(chosen["queued_tokens"]) > 0:
+            fewest_idle = min(int(f["uncached"]) for f in idle)
+            kept.append((fewest_idle - int(chosen["uncached"])) * record.prompt_tokens / estimate)
+    return len(kept), explained, statistics.median(kept) if kept else math.nan
 
 
 def describe(stats: dict[str, float]) -> str:

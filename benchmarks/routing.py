@@ -324,6 +324,17 @@ def run_cell(
             f"  {router}: {moved} of {counted} requests placed away from the candidate holding"
             f" most of their prompt, giving up {given_up:.1%} of prompt tokens"
         )
+        p90 = percentile([r.ttft for r in explained], 0.9)
+        for label, chosen in (
+            ("", explained),
+            (" of the slowest tenth", [r for r in explained if r.ttft >= p90]),
+        ):
+            queued, counted, kept = cost_model_error.kept_behind_queue(chosen)
+            print(
+                f"  {router}: {queued} of {counted} requests{label} placed behind queued "
+                f"prefill while a candidate had none, keeping a median {kept:.0f} prompt "
+                "tokens of hit"
+            )
     ttfts = [r.ttft for r in ok if r.ttft is not None]
     loads = [s["requests_received"] for s in engine_stats]
     hits = sum(s["prefix_hit_tokens"] for s in engine_stats)
