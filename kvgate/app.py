@@ -55,6 +55,7 @@ from kvgate.routing.health import HealthMonitor
 from kvgate.routing.policy_catalog import load_policies
 from kvgate.routing.precise import PreciseRouting
 from kvgate.routing.prefix_index import PrefixIndex
+from kvgate.routing.response_ids import signing_key
 from kvgate.routing.router import ModelFallbackStage, PickStage, build_router
 from kvgate.routing.services import RoutingServices
 from kvgate.routing.shared_index import SharedPrefixIndex
@@ -197,12 +198,13 @@ class GatewayApp:
             self.resilience,
             picker=self.picker,
         )
+        response_ids_key = signing_key(config.auth.response_id_secret if config.auth else None)
         self.chain = RequestChain(
             stages=[
                 AuthStage(self.tenants),  # 401 / 403; tenant, cache salt
                 # 404 for /v1/responses where no engine serves it; previous_response_id: 404
                 # / 503, else pinned to the endpoint that stores it
-                ResponsesStage(self.fleet),
+                ResponsesStage(self.fleet, response_ids_key),
                 ClassifyStage(self.classifier),  # Intent: class, deadline, priority
                 ModelFallbackStage(self.picker),  # a smaller model when the pool is saturated
                 AdmissionStage(self.admission),  # 429 quotas; waits or 503 when saturated
@@ -218,7 +220,8 @@ class GatewayApp:
         self.stored_chain = RequestChain(
             stages=[
                 AuthStage(self.tenants),  # 401; tenant
-                StoredResponseStage(self.fleet, self.admission),  # 404 / 503; the endpoint
+                # 404 / 503; the endpoint
+                StoredResponseStage(self.fleet, self.admission, response_ids_key),
             ],
             forward=forward,
             settle=self._settle,

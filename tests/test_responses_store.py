@@ -15,6 +15,7 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvgate.routing.response_ids import client_id, signing_key
 from kvgate.sim import EngineOptions, SimFleet
 from tests.chain.helpers import make_key, tenant
 from tests.conftest import gateway_config
@@ -104,6 +105,45 @@ def test_a_conversation_continues_on_the_engine_that_stores_it(store_fleet, clie
     assert [after - b for after, b in zip(received(store_fleet), before, strict=True)] == [
         3 * int(i == home) for i in range(2)
     ]
+
+
+def test_with_a_response_id_secret_an_id_made_without_it_reaches_no_engine(
+    store_fleet, start_gateway
+):
+    """`auth.response_id_secret` keys the ids: the gateway's own ids work as ever, turn after
+    turn, and one made without the secret (from an engine id seen in another tenant's
+    response id, say) is refused before any engine sees it."""
+    secret = "shared-by-every-replica-0123456789"
+    config = gateway_config(
+        store_fleet.urls,
+        pool={"models": ["sim-model"], "policy": "round_robin"},
+        auth={
+            "response_id_secret": secret,
+            "tenants": [tenant("acme", "gold", [ACME_ENTRY], models=["sim-*"])],
+        },
+    )
+    _, server = start_gateway(config)
+    client = sdk_client(base_url=server.url + "/v1", api_key=ACME_KEY, max_retries=0)
+    first = client.responses.create(model="sim-model", input="A secret", max_output_tokens=3)
+    [home] = storing(store_fleet, first.id)
+    engine_id = first.id.rsplit("_kvg", 1)[0]
+    url = store_fleet.urls[home]
+    assert first.id == client_id(engine_id, "acme", url, signing_key(secret))
+    second = client.responses.create(
+        model="sim-model", input="kept", max_output_tokens=3, previous_response_id=first.id
+    )
+    assert storing(store_fleet, second.id) == [home]
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    before = received(store_fleet)
+    made = client_id(engine_id, "acme", url)  # unkeyed, as it would be without the secret
+    with pytest.raises(openai.NotFoundError) as refused:
+        client.responses.retrieve(made)
+    assert refused.value.body["code"] == "response_not_found"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(
+            model="sim-model", input="x", max_output_tokens=2, previous_response_id=made
+        )
+    assert received(store_fleet) == before
 
 
 def test_every_id_of_a_stream_is_the_issued_one_and_retrieves_it(store_fleet, client):

@@ -27,20 +27,23 @@ from kvgate.types import RequestContext
 
 
 class ResponsesStage:
-    def __init__(self, fleet: Fleet) -> None:
+    def __init__(self, fleet: Fleet, key: bytes = b"") -> None:
         self.fleet = fleet
+        self.key = key  # the response ids' signing key
 
     async def __call__(self, ctx: RequestContext) -> None:
         if ctx.route != "responses":
             return
         tenant = ctx.tenant
         assert tenant is not None, "the auth stage runs first"
-        ids = ctx.response_ids = ResponseIds(tenant.name)
+        ids = ctx.response_ids = ResponseIds(tenant.name, key=self.key)
         previous = ctx.payload.get("previous_response_id")
         if previous is None:
             self._check_served(ctx, self.fleet.home_pool(ctx.model))
             return
-        endpoint, engine_id = stored_at(self.fleet, tenant.name, previous, "previous_response_id")
+        endpoint, engine_id = stored_at(
+            self.fleet, tenant.name, previous, "previous_response_id", self.key
+        )
         self._check_served(ctx, endpoint.pool)
         check_available(endpoint, generates=True)
         ctx.pinned = endpoint

@@ -78,6 +78,10 @@ class AuthConfig(_Strict):
     # HMAC key for per-tenant cache salts; set it (e.g. `${KVGATE_SALT_SECRET}`) so that the
     # salts cannot be derived from tenant names. Every replica must use the same value.
     cache_salt_secret: str | None = None
+    # Key of the Responses API ids' tokens (kvgate/routing/response_ids.py); set it so that a
+    # response id cannot be made for another tenant's stored response. The same on every
+    # replica; changing it retires the ids issued before.
+    response_id_secret: str | None = None
 
     @model_validator(mode="before")
     @classmethod

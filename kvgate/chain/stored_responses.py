@@ -26,17 +26,18 @@ from kvgate.types import RequestContext
 
 
 class StoredResponseStage:
-    def __init__(self, fleet: Fleet, admission: AdmissionController) -> None:
+    def __init__(self, fleet: Fleet, admission: AdmissionController, key: bytes = b"") -> None:
         self.fleet = fleet
         self.admission = admission
+        self.key = key  # the response ids' signing key
 
     async def __call__(self, ctx: RequestContext) -> None:
         tenant, named = ctx.tenant, ctx.response_id
         assert tenant is not None and named is not None, "auth runs first, on an id's route"
         self.admission.check_open()
-        endpoint, engine_id = stored_at(self.fleet, tenant.name, named, "response_id")
+        endpoint, engine_id = stored_at(self.fleet, tenant.name, named, "response_id", self.key)
         check_available(endpoint, generates=False)
         ctx.pinned = ctx.endpoint = endpoint
         ctx.tier = tenant.tier  # the tier's timeouts apply
         ctx.upstream_path = with_response_id(ctx.upstream_path, named, engine_id)
-        ctx.response_ids = ResponseIds(tenant.name, {engine_id: named})
+        ctx.response_ids = ResponseIds(tenant.name, {engine_id: named}, self.key)

@@ -6,7 +6,8 @@ one engine process that made it: retrieving it, cancelling it and continuing it
 response went (nothing to share between replicas, nothing to lose on a restart, no lookup on
 the request path): the id the client gets says it. The engine's id `E` reaches the client as
 
-    E + "_kvg" + T     T: 16 hex digits, the 64-bit BLAKE2b of (tenant name, endpoint URL, E)
+    E + "_kvg" + T     T: 16 hex digits, the 64-bit BLAKE2b of (tenant name, endpoint URL, E),
+                       keyed by `auth.response_id_secret` when it is set
 
 e.g. `resp_7f3a…e1_kvg5d41402abc4b2a76`, still starting as the engine's does. On the way in the
 suffix is taken off and the endpoint is the one of the current fleet (matched by URL, so the
@@ -15,9 +16,12 @@ same engines) whose token of `E` for the requesting tenant is `T`.
 
 The tenant is hashed in, so an id serves only the tenant it was issued to: another tenant's
 request finds no endpoint, and neither does a suffix moved from one's own response onto
-another engine id (`E` is hashed in too). The hash is not keyed: someone who knew an engine's
-URL and another tenant's engine id `E` could make a token for it; engine ids are random (vLLM:
-a UUID) and only ever leave the gateway inside the issued id.
+another engine id (`E` is hashed in too). Without `auth.response_id_secret` the hash is not
+keyed: someone who knew an engine's URL and another tenant's engine id `E` (engine ids are
+random, vLLM's a UUID, and leave the gateway only inside the issued id, so: someone who saw
+another tenant's response id) could make a token for it under their own key. With the secret
+(the same on every replica) nobody can make a token without it. Setting or changing the secret
+retires the ids issued before: they answer 404 `response_not_found`.
 
 Errors (answered before anything is taken or sent): an id without the suffix, 404
 `unknown_response_id`; a suffix no endpoint of the fleet matches (its engine left the fleet,
@@ -51,21 +55,34 @@ class ResponseIds:
 
     tenant: str
     named: dict[str, str] = field(default_factory=dict)
+    key: bytes = b""  # `signing_key(auth.response_id_secret)`
 
 
-def token(tenant: str, url: str, engine_id: str) -> str:
-    digest = hashlib.blake2b(orjson.dumps([tenant, url, engine_id]), digest_size=8, person=_PERSON)
+def signing_key(secret: str | None) -> bytes:
+    """The BLAKE2b key of the tokens for `auth.response_id_secret` (b"": unkeyed)."""
+    if not secret:
+        return b""
+    return hashlib.blake2b(secret.encode(), digest_size=32, person=_PERSON).digest()
+
+
+def token(tenant: str, url: str, engine_id: str, key: bytes = b"") -> str:
+    digest = hashlib.blake2b(
+        orjson.dumps([tenant, url, engine_id]), digest_size=8, key=key, person=_PERSON
+    )
     return digest.hexdigest()
 
 
-def client_id(engine_id: str, tenant: str, url: str) -> str:
+def client_id(engine_id: str, tenant: str, url: str, key: bytes = b"") -> str:
     """The id the client gets for the response `engine_id` stored at `url`."""
-    return engine_id + MARK + token(tenant, url, engine_id)
+    return engine_id + MARK + token(tenant, url, engine_id, key)
 
 
-def stored_at(fleet: Fleet, tenant: str, response_id: str, param: str) -> tuple[Endpoint, str]:
+def stored_at(
+    fleet: Fleet, tenant: str, response_id: str, param: str, key: bytes = b""
+) -> tuple[Endpoint, str]:
     """The endpoint storing the response `response_id` names for `tenant`, and the engine's
-    own id for it. `param` is the request's field (or path parameter) that named it."""
+    own id for it. `param` is the request's field (or path parameter) that named it; `key` the
+    tokens' signing key."""
     engine_id, mark, given = (
         response_id[: -len(MARK) - TOKEN_DIGITS],
         response_id[-len(MARK) - TOKEN_DIGITS : -TOKEN_DIGITS],
@@ -79,7 +96,7 @@ def stored_at(fleet: Fleet, tenant: str, response_id: str, param: str) -> tuple[
             code="unknown_response_id",
         )
     for endpoint in fleet.endpoints:
-        if token(tenant, endpoint.url, engine_id) == given:
+        if token(tenant, endpoint.url, engine_id, key) == given:
             return endpoint, engine_id
     raise NotFound(
         f"Response with id '{response_id}' not found: no engine of this gateway's fleet stores "

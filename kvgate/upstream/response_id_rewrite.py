@@ -90,7 +90,9 @@ class ResponseIdRewriter:
         for name in ("id", "previous_response_id"):
             engine_id = response.get(name)
             if isinstance(engine_id, str) and engine_id:
-                given = ids.named.get(engine_id) or client_id(engine_id, ids.tenant, self._url)
+                given = ids.named.get(engine_id) or client_id(
+                    engine_id, ids.tenant, self._url, ids.key
+                )
                 self._add(engine_id, given)
 
     def _learn_events(self, chunk: bytes) -> None:

@@ -22,6 +22,7 @@ from tests.servers import ServerThread
 
 UPSTREAM_KEY = "sk-upstream-9f2e"
 SALT_SECRET = "salt-secret-41d0"
+RESPONSE_ID_SECRET = "response-id-secret-77c2"
 ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
 
 
@@ -43,6 +44,7 @@ def config_dict(urls: list[str], policy: str = "round_robin", **top: Any) -> dic
         "auth": {
             "admin_keys": [{"id": "root-1", "sha256": digest(ADMIN_SECRET)}],
             "cache_salt_secret": SALT_SECRET,
+            "response_id_secret": RESPONSE_ID_SECRET,
             "tenants": [{"name": "ops", "keys": [{"id": "ops-1", "sha256": digest(SECRET)}]}],
         },
         "pools": [
@@ -207,13 +209,14 @@ def test_admin_config_is_the_effective_config_with_every_secret_redacted(served)
     _, base = served
     answer = httpx.get(base + "/admin/config", headers=ADMIN, timeout=10)
     assert answer.status_code == 200
-    for secret in (UPSTREAM_KEY, SALT_SECRET, digest(SECRET), digest(ADMIN_SECRET), SECRET):
+    secrets = (UPSTREAM_KEY, SALT_SECRET, RESPONSE_ID_SECRET, digest(SECRET), digest(ADMIN_SECRET))
+    for secret in (*secrets, SECRET):
         assert secret not in answer.text
     body = answer.json()
     assert body["source"].endswith("gw.yaml")
     config = body["config"]
     auth = config["auth"]
-    assert auth["cache_salt_secret"] == REDACTED
+    assert auth["cache_salt_secret"] == auth["response_id_secret"] == REDACTED
     assert auth["admin_keys"] == [{"id": "root-1", "sha256": REDACTED, "revoked": False}]
     assert auth["tenants"][0]["keys"] == [{"id": "ops-1", "sha256": REDACTED, "revoked": False}]
     first, second = config["pools"][0]["endpoints"]

@@ -12,6 +12,7 @@ from kvgate.routing.response_ids import (
     check_available,
     check_residency,
     client_id,
+    signing_key,
     stored_at,
 )
 from tests.routing.helpers import endpoint
@@ -107,3 +108,23 @@ def test_a_continuation_is_refused_outside_its_residency():
     with pytest.raises(PermissionDenied) as refused:
         check_residency(stored, frozenset({"eu"}))
     assert refused.value.code == "residency_conflict"
+
+
+def test_with_a_secret_only_the_gateway_can_make_an_id():
+    """`auth.response_id_secret` keys the token: the unkeyed token of an engine id (what anyone
+    who saw another tenant's id could compute under their own key) names nothing, nor does a
+    token under another secret; the gateway's own ids are found."""
+    key = signing_key("s3cret-shared-by-every-replica")
+    engines = fleet("e0", "e1")
+    issued = client_id(ENGINE_ID, "acme", "http://e1", key)
+    found, engine_id = stored_at(engines, "acme", issued, "response_id", key)
+    assert (found.name, engine_id) == ("e1", ENGINE_ID)
+    for made in (
+        client_id(ENGINE_ID, "acme", "http://e1"),
+        client_id(ENGINE_ID, "acme", "http://e1", signing_key("another secret")),
+    ):
+        assert made != issued
+        with pytest.raises(NotFound) as refused:
+            stored_at(engines, "acme", made, "response_id", key)
+        assert refused.value.code == "response_not_found"
+    assert signing_key(None) == signing_key("") == b""
