@@ -221,7 +221,7 @@ class EngineApp:
         await _respond(send, 200, orjson.dumps(body))
 
     async def _first_tokens(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = {"first_tokens": list(self._counters.first_tokens)}
+        body = {"first_tokens": self._counters.first_tokens_json()}
         await _respond(send, 200, orjson.dumps(body))
 
     async def _get_faults(self, scope: Scope, receive: Receive, send: Send) -> None:

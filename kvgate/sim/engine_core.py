@@ -409,21 +409,22 @@ class EngineCore:
         request.notify()
 
 
-def _first_token_record(request: GenerationRequest) -> dict[str, object]:
-    """What /sim/first-tokens says of one request: its time to first token in the engine, its
-    prompt and hit, and where that time went (`waiting`: outside any step)."""
+def _first_token_record(request: GenerationRequest) -> tuple[object, ...]:
+    """What /sim/first-tokens says of one request (FIRST_TOKEN_FIELDS): its time to first
+    token in the engine, its prompt and hit, and where that time went (`waiting`: outside any
+    step)."""
     assert request.first_token_at is not None
     ttft = request.first_token_at - request.arrival
     parts = request.first_token_time
-    return {
-        "id": request.request_id,
-        "ttft": ttft,
-        "prompt_tokens": len(request.prompt_tokens),
-        "cached_tokens": request.cached_tokens or 0,
-        "waiting": ttft - parts.total(),
-        "step_base": parts.step_base,
-        "own_prefill": parts.own_prefill,
-        "shared_prefill": parts.shared_prefill,
-        "decodes": parts.decodes,
-        "overrun": parts.overrun,
-    }
+    return (
+        request.request_id,
+        ttft,
+        len(request.prompt_tokens),
+        request.cached_tokens or 0,
+        ttft - parts.total(),
+        parts.step_base,
+        parts.own_prefill,
+        parts.shared_prefill,
+        parts.decodes,
+        parts.overrun,
+    )

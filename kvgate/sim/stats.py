@@ -76,8 +76,21 @@ E2E_BUCKETS = (
 )
 
 
-# How many of the latest first tokens /sim/first-tokens keeps (a benchmark run's worth).
+# How many of the latest first tokens /sim/first-tokens keeps (a benchmark run's worth), and
+# the fields of each record, kept as a tuple (about 250 bytes).
 FIRST_TOKENS_KEPT = 20_000
+FIRST_TOKEN_FIELDS = (
+    "id",
+    "ttft",
+    "prompt_tokens",
+    "cached_tokens",
+    "waiting",
+    "step_base",
+    "own_prefill",
+    "shared_prefill",
+    "decodes",
+    "overrun",
+)
 
 
 class Histogram:
@@ -122,10 +135,14 @@ class EngineCounters:
     inter_token_latency: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
     e2e_latency: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
     last_request: dict[str, Any] | None = None
-    # One record per request's first token, newest last (/sim/first-tokens).
-    first_tokens: deque[dict[str, Any]] = field(
+    # One record per request's first token (FIRST_TOKEN_FIELDS), newest last.
+    first_tokens: deque[tuple[Any, ...]] = field(
         default_factory=lambda: deque(maxlen=FIRST_TOKENS_KEPT)
     )
+
+    def first_tokens_json(self) -> list[dict[str, Any]]:
+        """The `/sim/first-tokens` view: the kept records, oldest first."""
+        return [dict(zip(FIRST_TOKEN_FIELDS, record, strict=True)) for record in self.first_tokens]
 
     def as_json(self) -> dict[str, Any]:
         """The `/sim/stats` view: plain counters plus the last request received."""
