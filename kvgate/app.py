@@ -53,7 +53,7 @@ from kvgate.request_options import REQUEST_ID, parse_request_options, request_id
 from kvgate.routing.endpoints import Endpoint, Fleet, build_pool
 from kvgate.routing.health import HealthMonitor
 from kvgate.routing.policy_catalog import load_policies
-from kvgate.routing.precise import PreciseRouting
+from kvgate.routing.precise import PreciseRouting, TokenizeStage
 from kvgate.routing.prefix_index import PrefixIndex
 from kvgate.routing.response_ids import signing_key
 from kvgate.routing.router import ModelFallbackStage, PickStage, build_router
@@ -207,6 +207,8 @@ class GatewayApp:
                 ResponsesStage(self.fleet, response_ids_key),
                 ClassifyStage(self.classifier),  # Intent: class, deadline, priority
                 ModelFallbackStage(self.picker),  # a smaller model when the pool is saturated
+                # precise routing: the prompt's token ids, off the event loop where possible
+                *([TokenizeStage(precise)] if self.routing.precise is not None else []),
                 AdmissionStage(self.admission),  # 429 quotas; waits or 503 when saturated
                 PickStage(self.picker),  # the endpoint (prefix/KV aware), or the pinned one
             ],

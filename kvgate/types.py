@@ -91,6 +91,10 @@ class RequestContext:
     # Routing: prefix match data computed once by the picker (retries reuse it), and headers
     # the gateway adds to the response next to x-kvgate-endpoint (e.g. the route explanation).
     prefix: PrefixMatch | None = None
+    # The prompt's token ids as its pool's engines will see them, computed off the event loop
+    # before admission when the pool's tokenizer can run in a thread (precise routing); a
+    # 1-tuple of the tokenizer's answer (None inside: it cannot reproduce this prompt).
+    prompt_ids: tuple[list[int] | None] | None = None
     response_headers: Headers = field(default_factory=list)
     # Resilience (kvgate/upstream): upstream attempts dispatched (retries and resumes
     # included), streams resumed on another endpoint, and the prompt tokens re-read to do so.

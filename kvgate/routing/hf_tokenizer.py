@@ -8,12 +8,21 @@ is rendered as `transformers` renders it (a sandboxed jinja2 environment with `t
 `eos_token` from the config. As vLLM does, a rendered chat is encoded without adding special
 tokens (the template writes them) and a completion prompt with them.
 
+A rendered chat is encoded piece by piece, the pieces cut at the tokenizer's special tokens,
+each piece's ids remembered (`TokenMemo`): the `tokenizers` library itself splits the text at
+its added tokens and encodes what lies between them one split at a time, so the same pieces
+give the same ids, and a conversation's earlier turns and a shared system prompt cost a
+lookup rather than a pass. Some tokenizers treat the first split differently (a `Metaspace`
+pre-tokenizer with `prepend_scheme: first`, as Llama 2 and Mistral's have); so at load the
+pieces must give the ids of the whole on probe chats, else every chat is encoded whole.
+
 Needs the `hf` extra (`pip install 'kvgate[hf]'`: `tokenizers` and `jinja2`).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +30,17 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Tokenizer
+
+from kvgate.routing.token_memo import TokenMemo
+
+# What the probes that decide piecewise encoding put between special tokens: leading and
+# trailing spaces, blank lines, digits, punctuation, accents and a word split across lines.
+_PROBE_TEXTS = (
+    "You are a terse assistant.",
+    " Hello  world\n\nHow are you today?",
+    "Fine, thanks: 1 2 3, 4.5%!",
+    "  ünïcödé\ttabs\n  and trailing spaces  ",
+)
 
 
 def _raise_exception(message: str) -> None:
@@ -41,9 +61,21 @@ def _token_text(value: Any) -> str:
 class HfTokenizer:
     """The ids a vLLM engine serving the model at `path` computes for a request."""
 
-    def __init__(self, tokenizer: Tokenizer, template: str | None, special: dict[str, str]):
+    off_loop = True  # `tokenizers` encodes without the GIL
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        template: str | None,
+        special: dict[str, str],
+        memo_tokens: int = 1_000_000,
+    ):
         self._tokenizer = tokenizer
         self._special = special
+        # Shared with a worker thread: precise routing encodes there (kvgate/routing/precise.py).
+        self._memo = TokenMemo(memo_tokens)
+        self._special_ids: dict[str, int] = {}
+        self._pieces: re.Pattern[str] | None = None
         self._template: jinja2.Template | None = None
         if template is not None:
             env = jinja2.sandbox.ImmutableSandboxedEnvironment(
@@ -52,6 +84,57 @@ class HfTokenizer:
             env.filters["tojson"] = _tojson
             env.globals["raise_exception"] = _raise_exception
             self._template = env.from_string(template)
+        specials = {
+            token.content: token_id
+            for token_id, token in tokenizer.get_added_tokens_decoder().items()
+            if token.special
+            and not (token.normalized or token.lstrip or token.rstrip or token.single_word)
+        }
+        if specials:
+            longest_first = sorted(specials, key=len, reverse=True)
+            self._special_ids = specials
+            self._pieces = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")")
+            if not all(self._piecewise_matches(text) for text in self._probes()):
+                self._pieces = None
+
+    @property
+    def piecewise(self) -> bool:
+        """Whether chats are encoded piece by piece (the probes at load agreed)."""
+        return self._pieces is not None
+
+    def _probes(self) -> list[str]:
+        """Texts the pieces must encode as the whole does: the probe texts around every
+        special token, and probe chats rendered by the template (when it renders them)."""
+        specials = list(self._special_ids)
+        texts = ["".join(f"{special}{text}" for special in specials) for text in _PROBE_TEXTS]
+        texts.append("".join(f"{text}{special}" for text in _PROBE_TEXTS for special in specials))
+        roles = ("system", "user", "assistant", "user")
+        messages = [
+            {"role": role, "content": text} for role, text in zip(roles, _PROBE_TEXTS, strict=True)
+        ]
+        for chat in (messages, messages[1:]):
+            rendered = self.render_chat({"messages": chat})
+            if rendered is not None:
+                texts.append(rendered)
+        return texts
+
+    def _piecewise_matches(self, text: str) -> bool:
+        whole = self._tokenizer.encode(text, add_special_tokens=False).ids
+        return self._piecewise_ids(text, TokenMemo(0)) == whole
+
+    def _piecewise_ids(self, text: str, memo: TokenMemo) -> list[int]:
+        assert self._pieces is not None
+        ids: list[int] = []
+        special_ids = self._special_ids
+        for index, piece in enumerate(self._pieces.split(text)):
+            if index % 2:
+                ids.append(special_ids[piece])
+            elif piece:
+                ids += memo.ids(piece, self._encode_piece)
+        return ids
+
+    def _encode_piece(self, piece: str) -> list[int]:
+        return self._tokenizer.encode(piece, add_special_tokens=False).ids
 
     @classmethod
     def load(cls, path: Path) -> HfTokenizer:
@@ -91,6 +174,8 @@ class HfTokenizer:
             text = self.render_chat(payload)
             if text is None:
                 return None
+            if self._pieces is not None:
+                return self._piecewise_ids(text, self._memo)
             return self._tokenizer.encode(text, add_special_tokens=False).ids
         if route == "completions":
             prompt = payload.get("prompt")

@@ -11,11 +11,18 @@ that sends it at least one uncached block starts the subscriber's stall clock
 
 Requests carrying a tenant's `cache_salt` are matched approximately: KV events carry token ids
 but not the salt, so the precise index cannot tell tenants' blocks apart.
+
+A pool tokenizer that encodes without the GIL (`off_loop`: Hugging Face `tokenizers`) runs on
+a worker thread of its own, before admission (`TokenizeStage`): a long prompt nobody has sent
+before takes milliseconds to encode, and on the event loop that would hold up every other
+request's relay for as long. The ids stay on the request for admission and the pick.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import zmq.asyncio
@@ -32,7 +39,7 @@ from kvgate.routing.kv_events import (
 )
 from kvgate.routing.match import ExactMatch
 from kvgate.routing.precise_index import PreciseIndex, block_keys
-from kvgate.routing.prompt_tokens import load_tokenizers
+from kvgate.routing.prompt_tokens import PromptTokenizer, load_tokenizers
 from kvgate.routing.settings import EndpointKvEventsConfig, TokenizerConfig
 from kvgate.routing.telemetry import EngineTelemetry
 from kvgate.types import RequestContext
@@ -41,6 +48,8 @@ log = logging.getLogger("kvgate.routing")
 
 OVERFLOWED = "index_overflow"
 NOT_STARTED = "starting"
+# The routes a prompt tokenizer reproduces (kvgate/routing/prompt_tokens.py).
+TOKENIZED_ROUTES = frozenset({"chat", "completions"})
 
 
 @dataclass(slots=True, eq=False)
@@ -99,6 +108,7 @@ class PreciseRouting:
                 if source.tokenizer == pool_config.tokenizer
             ]
         self._context: zmq.asyncio.Context | None = None
+        self._encoder: ThreadPoolExecutor | None = None  # for `off_loop` tokenizers
 
     @property
     def configured(self) -> bool:
@@ -137,6 +147,9 @@ class PreciseRouting:
         if self._context is not None:
             self._context.term()
             self._context = None
+        if self._encoder is not None:
+            self._encoder.shutdown(wait=False, cancel_futures=True)
+            self._encoder = None
 
     # --- modes -------------------------------------------------------------------------
 
@@ -200,15 +213,38 @@ class PreciseRouting:
         if endpoint in self._sources and telemetry.num_blocks is not None:
             self.index.set_engine_size(endpoint, telemetry.num_blocks, telemetry.block_size)
 
+    def _tokenizer_for(self, ctx: RequestContext) -> PromptTokenizer | None:
+        """The tokenizer of the request's pool, when the request is routed precisely."""
+        if ctx.cache_salt is not None:
+            return None
+        pool = self.fleet.home_pool(ctx.model)
+        return self._tokenizers.get(pool) if pool is not None else None
+
+    async def tokenize(self, ctx: RequestContext) -> None:
+        """Encode the request's prompt on the worker thread when its pool's tokenizer runs
+        off the event loop (`ctx.prompt_ids`); otherwise `match` encodes it inline."""
+        tokenizer = self._tokenizer_for(ctx)
+        if tokenizer is None or not tokenizer.off_loop or ctx.route not in TOKENIZED_ROUTES:
+            return
+        if self._encoder is None:
+            self._encoder = ThreadPoolExecutor(1, thread_name_prefix="kvgate-tokenize")
+        ids = await asyncio.get_running_loop().run_in_executor(
+            self._encoder, tokenizer.prompt_ids, ctx.route, ctx.payload
+        )
+        ctx.prompt_ids = (ids,)
+
     def match(self, ctx: RequestContext) -> ExactMatch | None:
         """What every endpoint in precise mode holds of the request's prompt (None when the
         request is not routed precisely: no tokenizer for its pool, a salted tenant, a
         prompt the tokenizer cannot reproduce)."""
-        pool = self.fleet.home_pool(ctx.model)
-        tokenizer = self._tokenizers.get(pool) if pool is not None else None
-        if tokenizer is None or ctx.cache_salt is not None:
+        tokenizer = self._tokenizer_for(ctx)
+        if tokenizer is None:
             return None
-        ids = tokenizer.prompt_ids(ctx.route, ctx.payload)
+        pool = self.fleet.home_pool(ctx.model)
+        if ctx.prompt_ids is not None:
+            ids = ctx.prompt_ids[0]
+        else:
+            ids = tokenizer.prompt_ids(ctx.route, ctx.payload)
         if ids is None:
             return None
         by_size: dict[int, list[str]] = {}
@@ -241,3 +277,15 @@ class PreciseRouting:
             subscriber = self._sources[endpoint].subscriber
             if subscriber is not None:
                 subscriber.note_traffic()
+
+
+class TokenizeStage:
+    """Before admission: the prompt's token ids for precise routing, encoded off the event
+    loop when the pool's tokenizer allows it (`PreciseRouting.tokenize`)."""
+
+    def __init__(self, precise: PreciseRouting) -> None:
+        self.precise = precise
+
+    async def __call__(self, ctx: RequestContext) -> None:
+        if ctx.pinned is None:  # a pinned continuation is not routed
+            await self.precise.tokenize(ctx)

@@ -11,25 +11,29 @@ routed approximately.
 from __future__ import annotations
 
 import zlib
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Protocol
 
 from kvgate.config import Config, ConfigError
 from kvgate.routing.settings import TokenizerConfig
+from kvgate.routing.token_memo import TokenMemo
 from kvgate.sim_chat_template import TemplateError, render_chat_parts
 from kvgate.sim_tokenizer import tokenize
 
 # Distinct token texts whose ids the sim tokenizer remembers (a token's id is the CRC-32 of
 # its text; a dict lookup is a third of the call). Cleared when full: a bound, not an LRU.
 _SIM_VOCABULARY = 200_000
-# Token ids of rendered messages the sim tokenizer remembers (least recently used dropped
-# first; ≈ 8 MB of references and 4 MB of text): a shared system prompt or the earlier turns
-# of a conversation are tokenized once.
-_SIM_MESSAGE_TOKENS = 1_000_000
+# Token ids of rendered pieces (messages; text between special tokens) a tokenizer remembers
+# (least recently used dropped first; ≈ 8 MB of references and 4 MB of text): a shared system
+# prompt or the earlier turns of a conversation are tokenized once.
+MEMO_TOKENS = 1_000_000
 
 
 class PromptTokenizer(Protocol):
+    # Whether its encoding releases the GIL, so that a worker thread takes it off the event
+    # loop (a Hugging Face tokenizer); a pure-Python one would only add the thread hop.
+    off_loop: bool
+
     def prompt_ids(self, route: str, payload: dict[str, Any]) -> list[int] | None:
         """The prompt's token ids as the engine will see them (the chat template applied
         for `chat`), or None when this request cannot be reproduced."""
@@ -42,10 +46,11 @@ class SimTokenizer:
     A chat is tokenized message by message (`render_chat_parts`: no token spans two
     messages), each rendered message's ids remembered, so only new messages cost a pass."""
 
+    off_loop = False
+
     def __init__(self) -> None:
         self._ids: dict[str, int] = {}
-        self._messages: OrderedDict[str, list[int]] = OrderedDict()
-        self._remembered = 0  # ids held in `_messages`
+        self._messages = TokenMemo(MEMO_TOKENS)
 
     def prompt_ids(self, route: str, payload: dict[str, Any]) -> list[int] | None:
         if route == "chat":
@@ -59,7 +64,7 @@ class SimTokenizer:
                 return None
             ids: list[int] = []
             for part in parts:
-                ids += self._message_ids(part)
+                ids += self._messages.ids(part, self._encode)
             return ids
         if route == "completions":
             prompt = payload.get("prompt")
@@ -70,17 +75,8 @@ class SimTokenizer:
             return self._token_ids(tokenize(prompt))
         return None
 
-    def _message_ids(self, part: str) -> list[int]:
-        memo = self._messages
-        ids = memo.get(part)
-        if ids is not None:
-            memo.move_to_end(part)
-            return ids
-        ids = memo[part] = self._token_ids(tokenize(part))
-        self._remembered += len(ids)
-        while self._remembered > _SIM_MESSAGE_TOKENS and len(memo) > 1:
-            self._remembered -= len(memo.popitem(last=False)[1])
-        return ids
+    def _encode(self, part: str) -> list[int]:
+        return self._token_ids(tokenize(part))
 
     def _token_ids(self, tokens: list[str]) -> list[int]:
         ids = self._ids

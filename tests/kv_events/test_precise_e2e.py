@@ -8,18 +8,22 @@ metrics and `/readyz`) without failing a request, and a restarted one brings it 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import zmq.asyncio
+from tokenizers import pre_tokenizers
 
 from kvgate.app import GatewayApp, salted_precise_tenants
 from kvgate.config import parse_config
 from kvgate.sim import EngineOptions, SimFleet
 from tests.conftest import gateway_config
+from tests.hf_tokenizers import LLAMA3_LIKE, bpe_tokenizer
 from tests.metrics_text import sample_value
 from tests.sdk_clients import sdk_client
 from tests.servers import ServerThread
@@ -266,3 +270,36 @@ def test_tenants_whose_requests_are_salted_are_named_when_pools_route_on_kv_even
         salted_precise_tenants(parse_config({"pools": [pool], "auth": {"tenants": tenants}})) == []
     )
     assert salted_precise_tenants(parse_config({"pools": [events]})) == []
+
+
+def test_a_hugging_face_tokenizer_encodes_each_prompt_once_off_the_event_loop(
+    engines: SimFleet, start_gateway: Start, tmp_path: Path
+) -> None:
+    """`tokenizers` encodes without the GIL: the prompt's ids are computed on the gateway's
+    tokenizer thread before admission, once per request, and the pick reuses them."""
+    specials = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+    bpe_tokenizer(tmp_path, pre_tokenizers.ByteLevel(add_prefix_space=False), specials, LLAMA3_LIKE)
+    config = precise_config(engines)
+    config["pools"][0]["tokenizer"] = {"kind": "hf", "path": str(tmp_path)}
+    app, server = start_gateway(config)
+    precise = app.routing.precise
+    assert precise is not None
+    tokenizer = precise._tokenizers["default"]
+    threads: list[str] = []
+
+    class Watched:
+        off_loop = tokenizer.off_loop
+
+        def prompt_ids(self, route: str, payload: dict[str, Any]) -> list[int] | None:
+            threads.append(threading.current_thread().name)
+            return tokenizer.prompt_ids(route, payload)
+
+    precise._tokenizers["default"] = Watched()
+    client = sdk_client(base_url=server.url + "/v1", api_key="none")
+    for turn in range(3):
+        client.chat.completions.create(
+            model="sim-model",
+            max_tokens=2,
+            messages=[{"role": "user", "content": f"the gears turn {turn} times"}],
+        )
+    assert len(threads) == 3 and all(t.startswith("kvgate-tokenize") for t in threads), threads

@@ -22,6 +22,7 @@ from kvgate.sim import EngineOptions, SimFleet
 from kvgate.sim_chat_template import render_chat
 from kvgate.sim_tokenizer import token_ids, tokenize
 from tests.conftest import gateway_config
+from tests.hf_tokenizers import LLAMA3_LIKE, WORDS, bpe_tokenizer
 
 CHATS: list[dict[str, Any]] = [
     {"messages": [{"role": "user", "content": "Hello there, how are the gears today?"}]},
@@ -136,6 +137,63 @@ def test_hf_tokenizer_applies_the_chat_template_then_encodes_without_special_tok
     completion = reference.encode("how are the gears", add_special_tokens=True).ids
     assert loaded.prompt_ids("completions", {"prompt": "how are the gears"}) == completion
     assert loaded.prompt_ids("completions", {"prompt": [5, 6, 7]}) == [5, 6, 7]
+
+
+def test_hf_chats_are_encoded_piece_by_piece_each_piece_once(tmp_path):
+    """Cut at the special tokens, a byte-level BPE's pieces give the ids of the whole, and a
+    conversation's next turn encodes only its new messages."""
+    specials = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+    reference = bpe_tokenizer(
+        tmp_path, pre_tokenizers.ByteLevel(add_prefix_space=False), specials, LLAMA3_LIKE
+    )
+    loaded = HfTokenizer.load(tmp_path)
+    assert loaded.piecewise
+    encoded: list[str] = []
+    encode = loaded._encode_piece
+
+    def counted(piece: str) -> list[int]:
+        encoded.append(piece)
+        return encode(piece)
+
+    loaded._encode_piece = counted
+    rng = random.Random(5)
+    messages = [{"role": "system", "content": " ".join(rng.choice(WORDS) for _ in range(50))}]
+    per_turn = []
+    for turn in range(4):
+        content = " ".join(rng.choice(WORDS) for _ in range(20)) + ("  \n" if turn % 2 else "")
+        messages.append({"role": "user", "content": content})
+        whole = reference.encode(
+            loaded.render_chat({"messages": messages}), add_special_tokens=False
+        )
+        before = len(encoded)
+        assert loaded.prompt_ids("chat", {"messages": messages}) == whole.ids
+        per_turn.append(len(encoded) - before)
+        messages.append({"role": "assistant", "content": " ".join(WORDS[turn:])})
+    # After the first turn, only the two new messages are encoded (the role names and blank
+    # lines between special tokens are pieces seen before): nothing said earlier again.
+    assert per_turn[0] >= 4 and per_turn[1:] == [2, 2, 2]
+
+
+def test_a_tokenizer_whose_first_split_differs_is_encoded_whole(tmp_path):
+    """Metaspace with `prepend_scheme: first` (Llama 2, Mistral) marks only the text's first
+    split, so a piece encoded alone differs: the probes at load see it, and chats are encoded
+    whole, still giving the engine's ids."""
+    specials = ["<s>", "<|im_start|>", "<|im_end|>"]
+    template = (
+        "{{ bos_token }}{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+        "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    )
+    reference = bpe_tokenizer(
+        tmp_path, pre_tokenizers.Metaspace(prepend_scheme="first"), specials, template
+    )
+    loaded = HfTokenizer.load(tmp_path)
+    assert not loaded.piecewise
+    messages = [
+        {"role": "user", "content": "the gears turn"},
+        {"role": "assistant", "content": "ok"},
+    ]
+    whole = reference.encode(loaded.render_chat({"messages": messages}), add_special_tokens=False)
+    assert loaded.prompt_ids("chat", {"messages": messages}) == whole.ids
 
 
 def test_hf_template_list_form_and_jinja_file_and_refusals(tmp_path):
