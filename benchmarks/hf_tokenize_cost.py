@@ -14,17 +14,24 @@ user and assistant turns):
 - piecewise, all new: the same chat met for the first time, every piece encoded;
 - piecewise, next turn: a conversation's next request, its earlier messages seen before.
 
+Then what an all-new chat's encoding does to the event loop: a timer due every millisecond
+runs while chats are encoded one after another, inline (on the loop) and on a worker thread
+(as precise routing does, `TokenizeStage`); the timer's lateness p99 / max is how long any
+other request's relay would have waited.
+
     .venv/bin/python benchmarks/hf_tokenize_cost.py [--tokens 8000 --samples 50]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import random
 import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +128,7 @@ def measure(tokens: int, samples: int) -> dict[str, Any]:
         tokenizer.prompt_ids("chat", payload)
         following.append(time.perf_counter() - t0)
     return {
+        "loop_timer_late": loop_lateness(tokenizer, tokens, samples),
         "trained_s": trained,
         "prompt_tokens": statistics.mean(lengths),
         "whole_us": p50_p99_us(whole),
@@ -129,15 +137,59 @@ def measure(tokens: int, samples: int) -> dict[str, Any]:
     }
 
 
+async def _timer_lateness(encode: Any, chats: list[dict[str, Any]], threaded: bool) -> list[float]:
+    """Seconds each 1 ms timer fired late while `chats` were encoded inline or threaded."""
+    loop = asyncio.get_running_loop()
+    late: list[float] = []
+    done = False
+
+    async def ticker() -> None:
+        while not done:
+            due = loop.time() + 0.001
+            await asyncio.sleep(0.001)
+            late.append(loop.time() - due)
+
+    task = asyncio.create_task(ticker())
+    with ThreadPoolExecutor(1) as worker:
+        for payload in chats:
+            if threaded:
+                await loop.run_in_executor(worker, encode, "chat", payload)
+            else:
+                encode("chat", payload)
+                await asyncio.sleep(0)
+    done = True
+    await task
+    return late
+
+
+def loop_lateness(tokenizer: HfTokenizer, tokens: int, samples: int) -> dict[str, Any]:
+    """The 1 ms timer's lateness (ms) with all-new chats encoded inline and on a thread."""
+    rng = random.Random(2)
+    out: dict[str, Any] = {}
+    for threaded in (False, True):
+        chats = [{"messages": conversation(rng, tokens)} for _ in range(samples)]
+        late = sorted(asyncio.run(_timer_lateness(tokenizer.prompt_ids, chats, threaded)))
+        out["threaded" if threaded else "inline"] = {
+            "p99_ms": 1e3 * late[min(len(late) - 1, int(0.99 * len(late)))],
+            "max_ms": 1e3 * late[-1],
+        }
+    return out
+
+
 def summary(out: dict[str, Any]) -> str:
     def pair(key: str) -> str:
         return f"p50 {out[key]['p50']:.0f} / p99 {out[key]['p99']:.0f} µs"
+
+    late = out["loop_timer_late"]
 
     return (
         f"Hugging Face byte-level BPE (up to {VOCABULARY} tokens, trained here in "
         f"{out['trained_s']:.1f} s), chat prompts of {out['prompt_tokens']:.0f} tokens on "
         f"average: whole {pair('whole_us')}; piecewise, all new {pair('piecewise_all_new_us')}; "
-        f"piecewise, next turn {pair('piecewise_next_turn_us')}."
+        f"piecewise, next turn {pair('piecewise_next_turn_us')}. A 1 ms timer on the event "
+        "loop while all-new chats are encoded, late by p99 / max: inline "
+        f"{late['inline']['p99_ms']:.1f} / {late['inline']['max_ms']:.1f} ms, on a worker thread "
+        f"{late['threaded']['p99_ms']:.1f} / {late['threaded']['max_ms']:.1f} ms."
     )
 
 

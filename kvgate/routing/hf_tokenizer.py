@@ -119,22 +119,28 @@ class HfTokenizer:
         return texts
 
     def _piecewise_matches(self, text: str) -> bool:
-        whole = self._tokenizer.encode(text, add_special_tokens=False).ids
+        whole = self._encode([text])[0]
         return self._piecewise_ids(text, TokenMemo(0)) == whole
 
     def _piecewise_ids(self, text: str, memo: TokenMemo) -> list[int]:
         assert self._pieces is not None
+        split = self._pieces.split(text)  # text, special, text, ..., text
+        texts = [piece for piece in split[::2] if piece]
+        encoded = iter(memo.ids_of(texts, self._encode))
         ids: list[int] = []
         special_ids = self._special_ids
-        for index, piece in enumerate(self._pieces.split(text)):
+        for index, piece in enumerate(split):
             if index % 2:
                 ids.append(special_ids[piece])
             elif piece:
-                ids += memo.ids(piece, self._encode_piece)
+                ids += next(encoded)
         return ids
 
-    def _encode_piece(self, piece: str) -> list[int]:
-        return self._tokenizer.encode(piece, add_special_tokens=False).ids
+    def _encode(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
+        """Each text's ids. `encode_batch`, not `encode`: it lets go of the GIL while it
+        works, so the event loop runs on while a worker thread encodes."""
+        encodings = self._tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
+        return [encoding.ids for encoding in encodings]
 
     @classmethod
     def load(cls, path: Path) -> HfTokenizer:
@@ -176,13 +182,13 @@ class HfTokenizer:
                 return None
             if self._pieces is not None:
                 return self._piecewise_ids(text, self._memo)
-            return self._tokenizer.encode(text, add_special_tokens=False).ids
+            return self._encode([text])[0]
         if route == "completions":
             prompt = payload.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1:
                 prompt = prompt[0]
             if isinstance(prompt, str):
-                return self._tokenizer.encode(prompt, add_special_tokens=True).ids
+                return self._encode([prompt], add_special_tokens=True)[0]
             if isinstance(prompt, list) and all(type(t) is int for t in prompt):
                 return prompt  # token ids given directly reach the engine as they are
         return None

@@ -63,8 +63,8 @@ class SimTokenizer:
             except TemplateError:
                 return None
             ids: list[int] = []
-            for part in parts:
-                ids += self._messages.ids(part, self._encode)
+            for part_ids in self._messages.ids_of(parts, self._encode):
+                ids += part_ids
             return ids
         if route == "completions":
             prompt = payload.get("prompt")
@@ -75,8 +75,8 @@ class SimTokenizer:
             return self._token_ids(tokenize(prompt))
         return None
 
-    def _encode(self, part: str) -> list[int]:
-        return self._token_ids(tokenize(part))
+    def _encode(self, parts: list[str]) -> list[list[int]]:
+        return [self._token_ids(tokenize(part)) for part in parts]
 
     def _token_ids(self, tokens: list[str]) -> list[int]:
         ids = self._ids

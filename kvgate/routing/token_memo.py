@@ -3,15 +3,16 @@ shared system prompt are tokenized once, not on every request that repeats them.
 
 Both prompt tokenizers cut a rendered chat into pieces no token spans (the simulator's: its
 messages; a Hugging Face tokenizer's: the text between special tokens) and look each piece
-up here first. Bounded by the ids held; the least recently used pieces go first. Safe to share
-between threads: a lookup and a store each hold a lock, the encoding between them does not.
+up here first, the ones it lacks encoded together in one call. Bounded by the ids held; the
+least recently used pieces go first. Safe to share between threads: the lookups and the stores
+hold a lock, the encoding between them does not.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 
 class TokenMemo:
@@ -23,22 +24,33 @@ class TokenMemo:
         self._held = 0
         self._lock = threading.Lock()
 
-    def ids(self, piece: str, encode: Callable[[str], list[int]]) -> list[int]:
-        """`encode(piece)`, remembered."""
-        pieces = self._pieces
+    def ids_of(
+        self, pieces: Sequence[str], encode: Callable[[list[str]], list[list[int]]]
+    ) -> list[list[int]]:
+        """The ids of each of `pieces`: those remembered looked up, the others encoded in one
+        call, `encode(missing)` (one id list per text, in order), and remembered."""
+        remembered = self._pieces
         with self._lock:
-            ids = pieces.get(piece)
-            if ids is not None:
-                pieces.move_to_end(piece)
-                return ids
-        ids = encode(piece)
+            found = [remembered.get(piece) for piece in pieces]
+            for piece, ids in zip(pieces, found, strict=True):
+                if ids is not None:
+                    remembered.move_to_end(piece)
+        missing = list(
+            dict.fromkeys(p for p, ids in zip(pieces, found, strict=True) if ids is None)
+        )
+        if not missing:
+            return found  # type: ignore[return-value]  # every piece was remembered
+        encoded = dict(zip(missing, encode(missing), strict=True))
         with self._lock:
-            if piece not in pieces:
-                pieces[piece] = ids
-                self._held += len(ids)
-            while self._held > self.max_tokens and len(pieces) > 1:
-                self._held -= len(pieces.popitem(last=False)[1])
-        return ids
+            for piece, ids in encoded.items():
+                if piece not in remembered:
+                    remembered[piece] = ids
+                    self._held += len(ids)
+            while self._held > self.max_tokens and len(remembered) > 1:
+                self._held -= len(remembered.popitem(last=False)[1])
+        return [
+            ids if ids is not None else encoded[p] for p, ids in zip(pieces, found, strict=True)
+        ]
 
     def __len__(self) -> int:
         return len(self._pieces)

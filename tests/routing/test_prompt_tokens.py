@@ -149,13 +149,13 @@ def test_hf_chats_are_encoded_piece_by_piece_each_piece_once(tmp_path):
     loaded = HfTokenizer.load(tmp_path)
     assert loaded.piecewise
     encoded: list[str] = []
-    encode = loaded._encode_piece
+    encode = loaded._encode
 
-    def counted(piece: str) -> list[int]:
-        encoded.append(piece)
-        return encode(piece)
+    def counted(texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
+        encoded.extend(texts)
+        return encode(texts, add_special_tokens)
 
-    loaded._encode_piece = counted
+    loaded._encode = counted
     rng = random.Random(5)
     messages = [{"role": "system", "content": " ".join(rng.choice(WORDS) for _ in range(50))}]
     per_turn = []
