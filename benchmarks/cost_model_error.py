@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 BASE_TOKENS = 150.0  # predicted_ttft's defaults (kvgate/routing/scorers.py)
@@ -92,6 +93,18 @@ def fit(records: list[Explained]) -> dict[str, float]:
     }
 
 
+def _explained(
+    records: list[Explained], field: str
+) -> Iterator[tuple[Explained, int, dict[str, dict[str, str]], dict[str, str]]]:
+    """Each record whose explanation gives a prompt estimate and, for the chosen candidate,
+    `field`: (record, estimate, every candidate's fields, the chosen one's)."""
+    for record in records:
+        estimate, candidates = _candidates(record.explain)
+        chosen = candidates.get(record.endpoint)
+        if estimate and chosen is not None and field in chosen:
+            yield record, estimate, candidates, chosen
+
+
 def placed_away(records: list[Explained]) -> tuple[int, int, float]:
     """Requests placed on an endpoint predicted to hold less of their prompt than another
     candidate did, out of the explained ones, and the prompt tokens those placements gave up
@@ -99,11 +112,7 @@ def placed_away(records: list[Explained]) -> tuple[int, int, float]:
     all prompt tokens: where a router's prefix hit falls short of what its own index saw."""
     moved = explained = 0
     given_up = prompt = 0.0
-    for record in records:
-        estimate, candidates = _candidates(record.explain)
-        chosen = candidates.get(record.endpoint)
-        if not estimate or chosen is None or "uncached" not in chosen:
-            continue
+    for record, estimate, candidates, chosen in _explained(records, "uncached"):
         explained += 1
         prompt += record.prompt_tokens
         fewest = min(int(fields["uncached"]) for fields in candidates.values())
@@ -121,11 +130,7 @@ def kept_behind_queue(records: list[Explained]) -> tuple[int, int, float]:
     request waited for, as its router saw it. NaN median when there were none."""
     kept: list[float] = []
     explained = 0
-    for record in records:
-        estimate, candidates = _candidates(record.explain)
-        chosen = candidates.get(record.endpoint)
-        if not estimate or chosen is None or "queued_tokens" not in chosen:
-            continue
+    for record, estimate, candidates, chosen in _explained(records, "queued_tokens"):
         explained += 1
         idle = [f for f in candidates.values() if float(f["queued_tokens"]) == 0]
         if idle and float(chosen["queued_tokens"]) > 0:
