@@ -16,12 +16,19 @@ lookup rather than a pass. Some tokenizers treat the first split differently (a 
 pre-tokenizer with `prepend_scheme: first`, as Llama 2 and Mistral's have); so at load the
 pieces must give the ids of the whole on probe chats, else every chat is encoded whole.
 
+The encoding runs on one worker thread per gateway process (kvgate/routing/precise.py), and
+`tokenizers` would spread each batch over every core besides: on a gateway whose cores serve
+its event loops, those threads take the CPU the loop needs (a 1 ms timer on the loop fired up
+to 7.6 ms late with them, about 1 ms without; benchmarks/RESULTS.md). So loading a tokenizer
+sets `TOKENIZERS_PARALLELISM=false` unless the environment already says otherwise.
+
 Needs the `hf` extra (`pip install 'kvgate[hf]'`: `tokenizers` and `jinja2`).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -33,6 +40,8 @@ from tokenizers import Tokenizer
 
 from kvgate.routing.token_memo import TokenMemo
 
+# `tokenizers`' switch for encoding a batch on every core (module docstring).
+PARALLELISM = "TOKENIZERS_PARALLELISM"
 # What the probes that decide piecewise encoding put between special tokens: leading and
 # trailing spaces, blank lines, digits, punctuation, accents and a word split across lines.
 _PROBE_TEXTS = (
@@ -145,6 +154,7 @@ class HfTokenizer:
     @classmethod
     def load(cls, path: Path) -> HfTokenizer:
         """Load the directory; ValueError naming what is missing or broken."""
+        os.environ.setdefault(PARALLELISM, "false")
         try:
             tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
         except Exception as error:  # the library raises plain Exception subclasses

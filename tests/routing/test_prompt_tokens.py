@@ -5,6 +5,7 @@ a small Hugging Face tokenizer built here (no model hub), and the config keys ar
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -257,3 +258,15 @@ def test_check_config_loads_each_pools_tokenizer(tmp_path, capsys):
     assert "pools[0].tokenizer: cannot load" in capsys.readouterr().err
     _tiny_tokenizer(tmp_path / "missing-dir", {"chat_template": CHATML})
     assert main(["check-config", str(config)]) == 0
+
+
+def test_loading_a_tokenizer_keeps_its_encoding_to_one_core_unless_told(tmp_path, monkeypatch):
+    """`tokenizers` would spread each batch over every core, beside the event loops: loading
+    sets TOKENIZERS_PARALLELISM=false, unless the environment already says otherwise."""
+    _tiny_tokenizer(tmp_path, {"chat_template": CHATML, "bos_token": "<s>"})
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    HfTokenizer.load(tmp_path)
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "false"
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
+    HfTokenizer.load(tmp_path)
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "true"
