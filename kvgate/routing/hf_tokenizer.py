@@ -38,7 +38,7 @@ import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Tokenizer
 
-from kvgate.routing.token_memo import TokenMemo
+from kvgate.routing.token_memo import MEMO_TOKENS, TokenMemo
 
 # `tokenizers`' switch for encoding a batch on every core (module docstring).
 PARALLELISM = "TOKENIZERS_PARALLELISM"
@@ -77,7 +77,7 @@ class HfTokenizer:
         tokenizer: Tokenizer,
         template: str | None,
         special: dict[str, str],
-        memo_tokens: int = 1_000_000,
+        memo_tokens: int = MEMO_TOKENS,
     ):
         self._tokenizer = tokenizer
         self._special = special

@@ -16,17 +16,13 @@ from typing import Any, Protocol
 
 from kvgate.config import Config, ConfigError
 from kvgate.routing.settings import TokenizerConfig
-from kvgate.routing.token_memo import TokenMemo
+from kvgate.routing.token_memo import MEMO_TOKENS, TokenMemo
 from kvgate.sim_chat_template import TemplateError, render_chat_parts
 from kvgate.sim_tokenizer import tokenize
 
 # Distinct token texts whose ids the sim tokenizer remembers (a token's id is the CRC-32 of
 # its text; a dict lookup is a third of the call). Cleared when full: a bound, not an LRU.
 _SIM_VOCABULARY = 200_000
-# Token ids of rendered pieces (messages; text between special tokens) a tokenizer remembers
-# (least recently used dropped first; ≈ 8 MB of references and 4 MB of text): a shared system
-# prompt or the earlier turns of a conversation are tokenized once.
-MEMO_TOKENS = 1_000_000
 
 
 class PromptTokenizer(Protocol):

@@ -14,6 +14,12 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+# Token ids a tokenizer remembers (least recently used dropped first): a shared system prompt
+# or the earlier turns of a conversation are tokenized once. At the bound: ≈ 12 MB with the
+# simulator's tokenizer (its ids are shared objects), ≈ 40 MB with a Hugging Face one's
+# (measured with tracemalloc, docs/routing.md).
+MEMO_TOKENS = 1_000_000
+
 
 class TokenMemo:
     """Ids by piece text, at most about `max_tokens` ids held (always the newest piece)."""
