@@ -15,9 +15,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 # Token ids a tokenizer remembers (least recently used dropped first): a shared system prompt
-# or the earlier turns of a conversation are tokenized once. At the bound: ≈ 12 MB with the
-# simulator's tokenizer (its ids are shared objects), ≈ 40 MB with a Hugging Face one's
-# (measured with tracemalloc, docs/routing.md).
+# or the earlier turns of a conversation are tokenized once. At the bound: ≈ 40 MB with a
+# Hugging Face tokenizer (measured with tracemalloc, docs/routing.md); about 12 MB with the
+# simulator's, whose ids are shared objects (estimated: references and text).
 MEMO_TOKENS = 1_000_000
 
 
