@@ -258,7 +258,7 @@ class GatewayApp:
             return
         named = response_routes.split(scope["path"])
         if named is not None:
-            await self._stored_response(scope, receive, send, named[1])
+            await self._stored_response(scope, receive, send, *named)
             return
         send = _with_request_id(send, request_id_from(scope["headers"]))
         if is_model_route(scope["path"]):
@@ -392,13 +392,16 @@ class GatewayApp:
             return None
         return ctx
 
-    async def _stored_response(self, scope: Scope, receive: Receive, send: Send, rest: str) -> None:
+    async def _stored_response(
+        self, scope: Scope, receive: Receive, send: Send, response_id: str, rest: str
+    ) -> None:
         """A `/v1/responses/{id}` route (`rest`: its path after the id): its ingress (method,
         body size, option headers; the body is not parsed, it is forwarded as it came), then
         its chain."""
         started = time.perf_counter()
         headers = scope["headers"]
         method = scope["method"]
+        route = response_routes.route_of(method, rest)
         try:
             if method not in response_routes.METHODS:
                 raise MethodNotAllowed(
@@ -411,6 +414,9 @@ class GatewayApp:
             ctx = stored_response_context(
                 scope,
                 body,
+                response_id,
+                rest,
+                route,
                 chars_per_token=self.config.classification.chars_per_token,
                 started=started,
             )
@@ -418,7 +424,6 @@ class GatewayApp:
             return
         except KvgateError as error:
             allowed = ", ".join(response_routes.METHODS).encode()
-            route = response_routes.route_of(method, rest)
             await self._refused(route, headers, error, send, allowed)
             return
         await self.stored_chain.handle(ctx, scope, receive, send)

@@ -298,19 +298,19 @@ def request_context(
 def stored_response_context(
     scope: Scope,
     body: bytes,
+    response_id: str,
+    rest: str,
+    route: str,
     *,
     chars_per_token: float = 4.0,
     started: float | None = None,
 ) -> RequestContext:
-    """The context of a request on a `/v1/responses/{id}` route (kvgate/response_routes.py)
-    whose method is one forwarded: its body is forwarded as it came, unread; its method, query
-    string and the rest of its path too. Raises InvalidRequest for a malformed option
-    header."""
-    named = response_routes.split(scope["path"])
-    assert named is not None, "a path under /v1/responses/{id}"
-    response_id, rest = named
+    """The context of a request on a `/v1/responses/{id}` route (kvgate/response_routes.py:
+    `response_id` and the `rest` of the path after it, as `split` gave them; `route` as
+    `route_of` named it) whose method is one forwarded: its body is forwarded as it came,
+    unread; its method, query string and the rest of its path too. Raises InvalidRequest for
+    a malformed option header."""
     method = scope["method"]
-    route = response_routes.route_of(method, rest)
     query = scope.get("query_string", b"")
     options = parse_request_options(scope["headers"])
     return RequestContext(

@@ -213,18 +213,22 @@ class PreciseRouting:
         if endpoint in self._sources and telemetry.num_blocks is not None:
             self.index.set_engine_size(endpoint, telemetry.num_blocks, telemetry.block_size)
 
-    def _tokenizer_for(self, ctx: RequestContext) -> PromptTokenizer | None:
-        """The tokenizer of the request's pool, when the request is routed precisely."""
+    def _tokenizer_for(self, ctx: RequestContext) -> tuple[str, PromptTokenizer] | None:
+        """The request's pool and its tokenizer, when the request is routed precisely."""
         if ctx.cache_salt is not None:
             return None
         pool = self.fleet.home_pool(ctx.model)
-        return self._tokenizers.get(pool) if pool is not None else None
+        tokenizer = self._tokenizers.get(pool) if pool is not None else None
+        return None if pool is None or tokenizer is None else (pool, tokenizer)
 
     async def tokenize(self, ctx: RequestContext) -> None:
         """Encode the request's prompt on the worker thread when its pool's tokenizer runs
         off the event loop (`ctx.prompt_ids`); otherwise `match` encodes it inline."""
-        tokenizer = self._tokenizer_for(ctx)
-        if tokenizer is None or not tokenizer.off_loop or ctx.route not in TOKENIZED_ROUTES:
+        found = self._tokenizer_for(ctx)
+        if found is None or ctx.route not in TOKENIZED_ROUTES:
+            return
+        _, tokenizer = found
+        if not tokenizer.off_loop:
             return
         if self._encoder is None:
             self._encoder = ThreadPoolExecutor(1, thread_name_prefix="kvgate-tokenize")
@@ -237,10 +241,10 @@ class PreciseRouting:
         """What every endpoint in precise mode holds of the request's prompt (None when the
         request is not routed precisely: no tokenizer for its pool, a salted tenant, a
         prompt the tokenizer cannot reproduce)."""
-        tokenizer = self._tokenizer_for(ctx)
-        if tokenizer is None:
+        found = self._tokenizer_for(ctx)
+        if found is None:
             return None
-        pool = self.fleet.home_pool(ctx.model)
+        pool, tokenizer = found
         if ctx.prompt_ids is not None:
             ids = ctx.prompt_ids[0]
         else:
@@ -248,7 +252,7 @@ class PreciseRouting:
         if ids is None:
             return None
         by_size: dict[int, list[str]] = {}
-        for name in self._peers[pool]:  # type: ignore[index]  # a tokenizer means a pool
+        for name in self._peers[pool]:
             if self._precise(name):
                 by_size.setdefault(self.index.block_size(name), []).append(name)
         held: dict[str, int] = {}
