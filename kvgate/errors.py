@@ -265,6 +265,12 @@ PROMPT_PARAMS = {
     "completions": "prompt",
     "embeddings": "input",
     "responses": "input",
+    "tokenize": "prompt",
+    "detokenize": "tokens",
+    "rerank": "documents",
+    "score": "text_2",
+    "classify": "input",
+    "pooling": "input",
 }
 # A context-length error about the completion's limit (vLLM: "'max_tokens' or
 # 'max_completion_tokens' is too large: …"), not the prompt: the first field it names.

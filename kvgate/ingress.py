@@ -3,7 +3,8 @@
 What the gateway itself relies on is validated here, before auth and admission do any work:
 model, the prompt carrier (chat messages as OpenAI shapes them, kvgate/message_schema.py;
 completion prompts; embedding inputs), stream flags, token counts. Every other field passes
-through untouched for the engine to judge.
+through untouched for the engine to judge; on the engines' own APIs (`ENGINE_ROUTES`) that is
+every field but `model`.
 """
 
 from __future__ import annotations
@@ -28,9 +29,24 @@ INFERENCE_ROUTES: dict[str, str] = {
     "/v1/embeddings": "embeddings",
     "/v1/responses": "responses",
 }
-# Embeddings answer with one JSON object whatever the body says: vLLM ignores a `stream` field
-# there, so the gateway passes it through and never expects a stream back.
-_STREAMING_ROUTES = frozenset({"chat", "completions", "responses"})
+# The engines' other JSON APIs, served beside OpenAI's by vLLM (and most of them by SGLang):
+# one JSON object in, one out, on the path the client used; routed by `model` like embeddings.
+ENGINE_ROUTES: dict[str, str] = {
+    "/tokenize": "tokenize",
+    "/detokenize": "detokenize",
+    "/v1/rerank": "rerank",
+    "/rerank": "rerank",
+    "/v2/rerank": "rerank",
+    "/v1/score": "score",
+    "/score": "score",
+    "/classify": "classify",
+    "/pooling": "pooling",
+}
+INFERENCE_ROUTES |= ENGINE_ROUTES
+# The routes that generate tokens, and may stream them. The others answer with one JSON object
+# whatever the body says: vLLM ignores a `stream` field on embeddings, so the gateway passes it
+# through and never expects a stream back.
+GENERATION_ROUTES = frozenset({"chat", "completions", "responses"})
 
 
 async def read_body(
@@ -255,11 +271,12 @@ def parse_payload(route: str, body: bytes) -> tuple[dict[str, Any], str, bool]:
             _check_carrier(payload, "prompt")  # vLLM: `prompt_embeds` may stand for the prompt
     elif route == "responses":
         _check_response_input(payload)
-    elif "input" not in payload and "messages" in payload:
-        _check_messages(payload)  # vLLM's chat embeddings: `messages` in place of `input`
-    else:
-        _check_carrier(payload, "input")
-    stream = _check_common(payload) if route in _STREAMING_ROUTES else False
+    elif route == "embeddings":
+        if "input" not in payload and "messages" in payload:
+            _check_messages(payload)  # vLLM's chat embeddings: `messages` in place of `input`
+        else:
+            _check_carrier(payload, "input")
+    stream = _check_common(payload) if route in GENERATION_ROUTES else False
     return payload, model, stream
 
 
@@ -288,7 +305,7 @@ def request_context(
         body=body,
         payload=payload,
         model=str(payload.get("model", "")),
-        stream=route in _STREAMING_ROUTES and payload.get("stream") is True,
+        stream=route in GENERATION_ROUTES and payload.get("stream") is True,
         options=options,
         view=PromptView(route, payload, chars_per_token),
         started=time.perf_counter() if started is None else started,
@@ -330,4 +347,5 @@ def stored_response_context(
     )
 
 
-_PATHS = {route: path for path, route in INFERENCE_ROUTES.items()}
+# Each route's first path: where a context made without the client's path is sent.
+_PATHS = {route: path for path, route in reversed(INFERENCE_ROUTES.items())}

@@ -9,10 +9,18 @@ collects references to the strings the JSON parser made.
 The canonical text is not the engine's chat template (the gateway does not know it); it only
 has to be deterministic and prefix-preserving: a conversation extended by more messages
 renders to text that starts with the shorter conversation's text, so multi-turn sessions share
-their prefix. Tools come first because templates put them in the system prompt.
+their prefix. Tools come first because templates put them in the system prompt. A Responses
+API request renders the same way: its `instructions` as the system message, then its `input`
+(a string as one user message, or its items in order), so a conversation that the client
+resends whole, turn by turn, keeps its prefix too.
 
 The token estimate is characters ÷ `chars_per_token` (no tokenizer on the hot path), plus the
 prompt tokens given directly as token ids.
+
+The engines' own APIs (rerank, score, classify, pooling, tokenize, detokenize) have their text
+in fields of their own (`ENGINE_TEXT_FIELDS`): rules read it and quotas count it, but it is
+never hashed for prefix routing (those requests leave no conversation to come back to), and
+tokenize and detokenize count no tokens at all: no model runs for them.
 """
 
 from __future__ import annotations
@@ -23,6 +31,22 @@ from typing import Any
 import orjson
 
 _MESSAGE_END = "\x1e"  # record separator: cannot be confused with message text boundaries
+# Where the text of a request to one of the engines' own APIs is, by route (vLLM's field names,
+# older and newer, and SGLang's).
+ENGINE_TEXT_FIELDS: dict[str, tuple[str, ...]] = {
+    "tokenize": ("prompt", "messages"),
+    "detokenize": (),
+    "rerank": ("query", "documents"),
+    "score": ("text_1", "text_2", "queries", "documents", "data_1", "data_2", "query", "items"),
+    "classify": ("input", "messages"),
+    "pooling": ("input", "messages"),
+}
+# Routes whose prompt is rendered as chat messages: their roles and separators count as tokens.
+_RENDERED = frozenset({"chat", "responses"})
+# Routes whose prompt may be given as token ids.
+_ID_CARRIERS = frozenset({"completions", "embeddings", "classify", "pooling"})
+# Routes on which no model runs, only the engine's tokenizer.
+_TOKENIZER_ONLY = frozenset({"tokenize", "detokenize"})
 
 
 def _is_int(value: Any) -> bool:
@@ -46,8 +70,23 @@ def _content_pieces(content: Any) -> list[str]:
     return pieces
 
 
+def _texts(value: Any, into: list[str]) -> None:
+    """Every text in `value`: a string, the strings of a list, a message's or a document's
+    `content` or `text`."""
+    if isinstance(value, str):
+        into.append(value)
+    elif isinstance(value, list):
+        for item in value:
+            _texts(item, into)
+    elif isinstance(value, dict):
+        if "content" in value:
+            into += _content_pieces(value["content"])
+        else:
+            _texts(value.get("text"), into)
+
+
 class PromptView:
-    """The prompt of one chat, completions or embeddings payload (see the module docstring)."""
+    """The prompt of one request's payload (see the module docstring)."""
 
     __slots__ = ("_canonical", "_contents", "_pieces", "_text", "_tokens", "chars_per_token",
                  "payload", "route")  # fmt: skip
@@ -67,8 +106,14 @@ class PromptView:
         pieces: list[str] = []
         contents: list[str] = []
         payload = self.payload
+        engine_fields = ENGINE_TEXT_FIELDS.get(self.route)
         messages = payload.get("messages") if self.route == "chat" else None
-        if isinstance(messages, list):
+        if engine_fields is not None:
+            for field in engine_fields:
+                _texts(payload.get(field), contents)
+        elif self.route == "responses":
+            self._collect_items(payload, pieces, contents)
+        elif isinstance(messages, list):
             tools = payload.get("tools")
             if tools:
                 pieces.append(orjson.dumps(tools, option=orjson.OPT_SORT_KEYS).decode())
@@ -93,6 +138,32 @@ class PromptView:
                     pieces.append(" ".join(map(str, carrier)))  # same ids, same prefix
         self._pieces = pieces
         self._contents = contents
+
+    @staticmethod
+    def _collect_items(payload: dict[str, Any], pieces: list[str], contents: list[str]) -> None:
+        """A Responses API request rendered as chat messages are: the `instructions` first
+        (the system prompt), then its `input`: a string as one user message, or each item's
+        role and text (a message's `content`; a tool call's `arguments`, its result's
+        `output`)."""
+        instructions = payload.get("instructions")
+        if isinstance(instructions, str):
+            pieces += ("system", "\n", instructions, _MESSAGE_END)
+            contents.append(instructions)
+        given = payload.get("input")
+        if isinstance(given, str):
+            given = [{"role": "user", "content": given}]
+        for item in given if isinstance(given, list) else ():
+            if not isinstance(item, dict):
+                continue
+            if "content" in item:
+                parts = _content_pieces(item["content"])
+            else:
+                parts = [
+                    v for v in (item.get("arguments"), item.get("output")) if isinstance(v, str)
+                ]
+            role = item.get("role", item.get("type", ""))
+            pieces += (str(role), "\n", *parts, _MESSAGE_END)
+            contents += parts
 
     def release(self) -> None:
         """Keep the token estimate, drop the payload and the text taken from it: `contents`,
@@ -131,19 +202,23 @@ class PromptView:
     def prompt_tokens(self) -> int:
         """The one estimate of the prompt's tokens every stage uses."""
         if self._tokens is None:
+            if self.route in _TOKENIZER_ONLY:
+                self._tokens = 0
+                return 0
             if self._pieces is None:
                 self._collect()
             assert self._pieces is not None
             # Chat: roles and tools are prompt tokens too, so the canonical pieces count.
-            pieces = self._pieces if self.route == "chat" else self.contents
+            pieces = self._pieces if self.route in _RENDERED else self.contents
             chars = sum(map(len, pieces))
             self._tokens = math.ceil(chars / self.chars_per_token) + self.token_ids
         return self._tokens
 
     @property
     def token_ids(self) -> int:
-        """Prompt tokens given directly as token ids (completions and embeddings only)."""
-        if self.route == "chat":
+        """Prompt tokens given directly as token ids (completions, embeddings, classify and
+        pooling only)."""
+        if self.route not in _ID_CARRIERS:
             return 0
         carrier = self.payload.get("prompt" if self.route == "completions" else "input")
         if isinstance(carrier, list) and carrier and not isinstance(carrier[0], str):

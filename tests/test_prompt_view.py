@@ -32,8 +32,18 @@ CHAT = {
         ("completions", {"prompt": [1, 2, 3]}, [], 3),
         ("completions", {"prompt": [[1, 2], [3]]}, [], 3),
         ("embeddings", {"input": "abcd"}, ["abcd"], 1),
+        ("rerank", {"query": "abcd", "documents": ["efgh", {"text": "ijkl"}]},
+         ["abcd", "efgh", "ijkl"], 3),
+        ("score", {"text_1": "abcd", "text_2": ["efgh", "ijkl"]}, ["abcd", "efgh", "ijkl"], 3),
+        ("classify", {"input": ["abcd", "efgh"]}, ["abcd", "efgh"], 2),
+        ("classify", {"input": [1, 2, 3]}, [], 3),
+        ("pooling", {"messages": [{"role": "user", "content": "abcd"}]}, ["abcd"], 1),
+        # No model runs for these: the text is there for rules, the quota counts nothing.
+        ("tokenize", {"prompt": "abcdefgh"}, ["abcdefgh"], 0),
+        ("tokenize", {"messages": [{"role": "user", "content": "abcd"}]}, ["abcd"], 0),
+        ("detokenize", {"tokens": [1, 2, 3]}, [], 0),
     ],
-)
+)  # fmt: skip
 def test_view_pieces_and_estimate(route, payload, contents, tokens):
     view = PromptView(route, payload, 4.0)
     assert view.contents == contents
@@ -41,6 +51,41 @@ def test_view_pieces_and_estimate(route, payload, contents, tokens):
     if tokens is None:  # chat: the canonical text (roles, tools, separators) is counted
         tokens = -(-len(view.canonical) // 4)
     assert view.prompt_tokens == tokens
+
+
+@pytest.mark.parametrize(
+    ("route", "payload"),
+    [("rerank", {"query": "q" * 300, "documents": ["d" * 300]}), ("pooling", {"input": "x" * 300})],
+)
+def test_the_engines_own_apis_are_never_hashed_for_prefix_routing(route, payload):
+    view = PromptView(route, payload, 4.0)
+    assert view.contents and view.canonical == ""
+
+
+RESPONSES_TURN = {
+    "model": "m",
+    "instructions": "Be brief.",
+    "input": [
+        {"role": "user", "content": "What is a river?"},
+        {"type": "message", "role": "assistant",
+         "content": [{"type": "output_text", "text": "Water that flows."}]},
+        {"type": "function_call", "name": "f", "arguments": '{"q": 1}', "call_id": "c"},
+        {"type": "function_call_output", "call_id": "c", "output": "42"},
+    ],
+}  # fmt: skip
+
+
+def test_a_responses_conversation_renders_like_chat_and_keeps_its_prefix_as_it_grows():
+    view = PromptView("responses", RESPONSES_TURN, 4.0)
+    assert view.contents == ["Be brief.", "What is a river?", "Water that flows.", '{"q": 1}', "42"]
+    assert view.prompt_tokens == -(-len(view.canonical) // 4)
+    longer = {
+        **RESPONSES_TURN,
+        "input": [*RESPONSES_TURN["input"], {"role": "user", "content": "ok"}],
+    }
+    assert PromptView("responses", longer, 4.0).canonical.startswith(view.canonical)
+    first = {**RESPONSES_TURN, "input": "What is a river?"}
+    assert view.canonical.startswith(PromptView("responses", first, 4.0).canonical)
 
 
 def test_canonical_text_is_prefix_preserving_and_what_routing_hashes():

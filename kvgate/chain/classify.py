@@ -23,6 +23,7 @@ from kvgate.chain.settings import (
 )
 from kvgate.chain.tenants import Tenant
 from kvgate.globs import compile_globs
+from kvgate.ingress import GENERATION_ROUTES
 from kvgate.types import RequestContext, header_value
 
 
@@ -96,7 +97,7 @@ class Classifier:
         self.default_max_tokens = config.default_max_tokens
 
     def requested_output_tokens(self, ctx: RequestContext) -> int:
-        if ctx.route == "embeddings":
+        if ctx.route not in GENERATION_ROUTES:
             return 0
         payload = ctx.payload
         limit = payload.get(output_limit_field(ctx))

@@ -14,7 +14,18 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 LatencyClass = Literal["interactive", "standard", "batch"]
 CacheIsolation = Literal["tenant", "shared"]
-RouteName = Literal["chat", "completions", "embeddings"]
+RouteName = Literal[
+    "chat",
+    "completions",
+    "embeddings",
+    "responses",
+    "rerank",
+    "score",
+    "classify",
+    "pooling",
+    "tokenize",
+    "detokenize",
+]
 
 KEY_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")

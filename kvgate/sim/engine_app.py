@@ -1,6 +1,8 @@
 """The HTTP surface of one simulated engine, as a plain ASGI application.
 
-Routes: the OpenAI endpoints, `/health`, `/metrics`, the flavour's extras (vLLM
+Routes: the OpenAI endpoints, the engine's own JSON APIs (`/tokenize`, `/detokenize`, rerank,
+score, `/classify`, `/pooling`: kvgate/sim/engine_apis.py), `/health`, `/metrics`, the
+flavour's extras (vLLM
 `/reset_prefix_cache`, `/v1/responses` and, under `/v1/responses/{id}`, retrieve and cancel;
 SGLang `/v1/loads`, `/get_load`, `/flush_cache`, `/health_generate`) and the simulator's own
 `/sim/stats`, `/sim/first-tokens` and `/sim/faults` (and `/sim/kv-events/faults` when the
@@ -19,6 +21,7 @@ import orjson
 from .asgi_types import Receive, Scope, Send
 from .connection import DisconnectWatch, abort_connection
 from .embeddings import embeddings_response
+from .engine_apis import ENGINE_APIS, VOCABULARY, EngineApi
 from .engine_core import ABORTED, EngineCore
 from .faults import Fault
 from .http_io import JSON_HEADERS as _JSON
@@ -92,6 +95,8 @@ class EngineApp:
             ("POST", "/sim/faults"): self._set_faults,
             ("DELETE", "/sim/faults"): self._clear_faults,
         }
+        for path, api in ENGINE_APIS.items():
+            self._routes[("POST", path)] = functools.partial(self._engine_api, api)
         if options.flavor == "sglang":
             self._routes |= {
                 ("GET", "/health_generate"): self._health,
@@ -262,6 +267,19 @@ class EngineApp:
             answer = self.responses.answer(
                 self._core, scope["method"], scope["path"], scope["query_string"]
             )
+        except ApiError as error:
+            await self._error(send, error)
+            return
+        await _respond(send, 200, orjson.dumps(answer))
+
+    async def _engine_api(self, api: EngineApi, scope: Scope, receive: Receive, send: Send) -> None:
+        """One of the engine's own JSON APIs (counted as a request received, never faulted)."""
+        body = self._record_arrival(scope, await _read_body(receive))
+        if body is None:
+            await self._error(send, ApiError(400, "request body is not valid JSON"))
+            return
+        try:
+            answer = api(body, self._options, VOCABULARY)
         except ApiError as error:
             await self._error(send, error)
             return

@@ -52,6 +52,15 @@ def in_chat_terms(usage: dict[str, Any]) -> dict[str, Any]:
     return chat
 
 
+def _all_read(usage: dict[str, Any]) -> dict[str, Any]:
+    """A non-stream answer's usage with a lone `total_tokens` (a rerank answer's: every token
+    read, none generated) with them as `prompt_tokens` too; any other as it is."""
+    total = usage.get("total_tokens")
+    if len(usage) != 1 or not isinstance(total, int):
+        return usage
+    return {"total_tokens": total, "prompt_tokens": total}
+
+
 def answer_usage(body: bytes) -> tuple[dict[str, Any] | None, str | None]:
     """The `usage` of a non-stream answer (in chat terms), for settlement, and the `model` it
     names (looked for only if a usage is present)."""
@@ -64,7 +73,8 @@ def answer_usage(body: bytes) -> tuple[dict[str, Any] | None, str | None]:
         usage = _usage_object(body, key)
         if usage is not None:
             model = _MODEL.search(body)
-            return in_chat_terms(usage), None if model is None else model.group(1).decode()
+            chat = _all_read(in_chat_terms(usage))
+            return chat, None if model is None else model.group(1).decode()
     return _decoded(body)
 
 
@@ -102,6 +112,6 @@ def _decoded(body: bytes) -> tuple[dict[str, Any] | None, str | None]:
     usage = parsed.get("usage")
     model = parsed.get("model")
     return (
-        in_chat_terms(usage) if isinstance(usage, dict) else None,
+        _all_read(in_chat_terms(usage)) if isinstance(usage, dict) else None,
         model if isinstance(model, str) else None,
     )

@@ -23,6 +23,7 @@ RULES: list[dict[str, Any]] = [
     },
     {"name": "nightly", "when": {"headers": {"X-Job": "nightly"}}, "then": {"class": "batch"}},
     {"name": "embed", "when": {"route": "embeddings"}, "then": {"class": "batch"}},
+    {"name": "rank", "when": {"route": ["rerank", "score"]}, "then": {"class": "interactive"}},
     {
         "name": "llama-stream",
         "when": {"model": "llama-*", "stream": True},
@@ -75,6 +76,13 @@ def _chat(content: str, **extra: Any) -> dict[str, Any]:
         (_ctx(headers={"x-job": "nightly"}), "nightly", "batch"),
         (_ctx(headers={"x-job": "daily"}), None, "standard"),
         (_ctx({"model": "m1", "input": "abc"}, route="embeddings"), "embed", "batch"),
+        (
+            _ctx({"model": "m1", "query": "q", "documents": ["d"]}, route="rerank"),
+            "rank",
+            "interactive",
+        ),
+        (_ctx({"model": "m1", "text_1": "a", "text_2": "b"}, route="score"), "rank", "interactive"),
+        (_ctx({"model": "m1", "input": "abc"}, route="pooling"), None, "standard"),
         (
             _ctx(_chat("hi", model="llama-3", stream=True), model="llama-3"),
             "llama-stream",
@@ -157,3 +165,9 @@ def test_deterministic():
     classifier = _classifier()
     ctx = _ctx(_chat("please summarize GDPR", tools=[{}]), headers={"x-job": "nightly"})
     assert len({str(classifier.classify(ctx, _tenant()).explain()) for _ in range(20)}) == 1
+
+
+@pytest.mark.parametrize("route", ["embeddings", "rerank", "score", "classify", "pooling"])
+def test_routes_that_generate_nothing_reserve_no_output_tokens(route):
+    ctx = _ctx({"model": "m1", "input": "abcd", "query": "q", "max_tokens": 99}, route=route)
+    assert _classifier().classify(ctx, _tenant()).max_tokens == 0

@@ -63,6 +63,13 @@ def test_an_object_named_usage_after_the_answers_own_is_not_taken_for_it() -> No
     assert answer_usage(body) == (USAGE, "served-model")
 
 
+def test_a_rerank_answers_lone_total_counts_as_prompt_tokens() -> None:
+    answer = orjson.dumps({"id": "rerank-1", "usage": {"total_tokens": 12}, "results": []})
+    assert answer_usage(answer)[0] == {"total_tokens": 12, "prompt_tokens": 12}
+    generated = {"total_tokens": 12, "completion_tokens": 2}
+    assert answer_usage(orjson.dumps({"usage": generated}))[0] == generated
+
+
 def test_no_usage_or_a_null_one_gives_none() -> None:
     assert answer_usage(chat_answer("x" * 2 * WHOLE_DECODE_BYTES, usage=None)) == (
         None,
