@@ -1,5 +1,6 @@
 """End to end on real sockets: the gateway routes a shared prefix to one simulated engine until
-it saturates, then spills; an endpoint whose /metrics stops answering follows the stale policy."""
+it saturates, then spills; an endpoint whose /metrics stops answering follows the stale policy;
+a Responses API conversation resent whole stays with the engine holding it."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from kvgate.sim import EngineOptions, SimFleet
 from tests.chain.helpers import make_key, tenant
 from tests.conftest import gateway_config
 from tests.metrics_text import sample_value
+from tests.sdk_clients import sdk_client
 from tests.servers import ServerThread
 
 SYSTEM = "You are the support assistant of a bicycle shop; answer briefly and kindly. " * 30
@@ -255,3 +257,29 @@ def test_residency_holds_under_a_policy_whose_filters_leave_it_out(start_gateway
             assert answer.status_code == 200
             served.append(answer.headers["x-kvgate-endpoint"])
         assert served == [eu] * 6
+
+
+def test_a_responses_conversation_resent_whole_stays_with_the_engine_holding_it(start_gateway):
+    """The Responses API without stored state: the client sends the whole conversation as
+    `input` items every turn. Each turn goes where the conversation's prefix is, and finds it
+    cached there."""
+    with SimFleet.in_thread(engines=3, options=EngineOptions(profile="fast")) as fleet:
+        _, server = start_gateway(gateway_config(fleet.urls))
+        client = sdk_client(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        for topic in ("rivers", "mountains", "deserts"):
+            items: list[dict[str, Any]] = []
+            placed, cached = set(), []
+            for turn in range(3):
+                items.append({"role": "user", "content": f"Turn {turn}: tell me about {topic}."})
+                raw = client.responses.with_raw_response.create(
+                    model="sim-model",
+                    instructions=SYSTEM,
+                    input=items,
+                    max_output_tokens=8,
+                )
+                answer = raw.parse()
+                placed.add(raw.headers["x-kvgate-endpoint"])
+                cached.append(answer.usage.input_tokens_details.cached_tokens)
+                items.append({"role": "assistant", "content": answer.output_text})
+            assert len(placed) == 1, (topic, placed)
+            assert all(c > 0 for c in cached[1:]), (topic, cached)
