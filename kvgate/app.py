@@ -169,7 +169,7 @@ class GatewayApp:
                 self.tenants,
                 self.classifier,
                 self.admission,
-                config.classification.chars_per_token,
+                config.classification,
             ),
             self._index_mode,
         )
@@ -382,6 +382,7 @@ class GatewayApp:
                 body=body,
                 upstream_path=scope["path"],
                 chars_per_token=self.config.classification.chars_per_token,
+                media_tokens=self.config.classification.media_tokens,
                 options=parse_request_options(headers),
                 started=started,
             )

@@ -19,7 +19,7 @@ from kvgate import response_routes
 from kvgate.asgi import Receive, Scope
 from kvgate.errors import InvalidRequest, PayloadTooLarge, RequestTimeout
 from kvgate.message_schema import check_message
-from kvgate.prompt_view import PromptView
+from kvgate.prompt_view import MEDIA_TOKENS, PromptView
 from kvgate.request_options import RequestOptions, parse_request_options
 from kvgate.types import Headers, RequestContext
 
@@ -288,6 +288,7 @@ def request_context(
     body: bytes = b"",
     upstream_path: str | None = None,
     chars_per_token: float = 4.0,
+    media_tokens: int = MEDIA_TOKENS,
     options: RequestOptions | None = None,
     started: float | None = None,
 ) -> RequestContext:
@@ -307,7 +308,7 @@ def request_context(
         model=str(payload.get("model", "")),
         stream=route in GENERATION_ROUTES and payload.get("stream") is True,
         options=options,
-        view=PromptView(route, payload, chars_per_token),
+        view=PromptView(route, payload, chars_per_token, media_tokens),
         started=time.perf_counter() if started is None else started,
     )
 

@@ -15,7 +15,10 @@ API request renders the same way: its `instructions` as the system message, then
 resends whole, turn by turn, keeps its prefix too.
 
 The token estimate is characters ÷ `chars_per_token` (no tokenizer on the hot path), plus the
-prompt tokens given directly as token ids.
+prompt tokens given directly as token ids. A media part of a message (an image, audio or video,
+by URL or inline) is not text: it renders as a marker drawn from a digest of the media, as
+many characters long as `media_tokens` tokens are, so the same media renders the same, the
+estimate counts it as `media_tokens` however many bytes it has, and rules never search it.
 
 The engines' own APIs (rerank, score, classify, pooling, tokenize, detokenize) have their text
 in fields of their own (`ENGINE_TEXT_FIELDS`): rules read it and quotas count it, but it is
@@ -25,12 +28,30 @@ tokenize and detokenize count no tokens at all: no model runs for them.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Any
 
 import orjson
 
 _MESSAGE_END = "\x1e"  # record separator: cannot be confused with message text boundaries
+_MEDIA_START = "\x1f"  # unit separator: begins a media part's marker
+_SORTED = orjson.OPT_SORT_KEYS
+# Prompt tokens one media part of a message is estimated at: the gateway decodes no media, and
+# an engine's count depends on the model and the size (a 1024x1024 image: 576 tokens for
+# LLaVA-1.5's fixed 336-pixel grid, 765 in OpenAI's accounting, about 1,300 for Qwen2-VL's
+# 28-pixel patches); this is the order of a one-megapixel image in them.
+MEDIA_TOKENS = 1000
+# The keys of a content part that carry media (vLLM's, OpenAI's `input_audio`).
+MEDIA_KEYS = (
+    "image_url",
+    "image_embeds",
+    "input_image",
+    "audio_url",
+    "input_audio",
+    "audio_embeds",
+    "video_url",
+)
 # Where the text of a request to one of the engines' own APIs is, by route (vLLM's field names,
 # older and newer, and SGLang's).
 ENGINE_TEXT_FIELDS: dict[str, tuple[str, ...]] = {
@@ -53,10 +74,28 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _content_pieces(content: Any) -> list[str]:
-    """The text of a message's content: a string, or the text (and image URL) of its parts."""
+def _media_marker(part: dict[str, Any], chars: int) -> str | None:
+    """The canonical text of a media part (an image, audio or video, by URL, inline data or
+    embeddings), or None for any other part: `chars` characters drawn from a digest of the
+    media, so the same media renders the same and its length carries its token estimate."""
+    for key in MEDIA_KEYS:
+        value = part.get(key)
+        if value is None:
+            continue
+        if isinstance(value, dict) and isinstance(value.get("url"), str):
+            value = value["url"]
+        source = value if isinstance(value, str) else orjson.dumps(value, option=_SORTED).decode()
+        digest = hashlib.blake2b(source.encode(), digest_size=16).hexdigest()
+        return _MEDIA_START + (digest * (chars // len(digest) + 1))[: max(chars - 1, 0)]
+    return None
+
+
+def _content_pieces(content: Any, media_chars: int) -> tuple[list[str], list[str]]:
+    """A message's content as (its texts, its canonical pieces): a string, or its parts' texts,
+    with a media part's marker (`_media_marker`) among the pieces only."""
     if isinstance(content, str):
-        return [content]
+        return [content], [content]
+    texts: list[str] = []
     pieces: list[str] = []
     if isinstance(content, list):
         for part in content:
@@ -64,10 +103,13 @@ def _content_pieces(content: Any) -> list[str]:
                 continue
             text = part.get("text")
             if isinstance(text, str):
+                texts.append(text)
                 pieces.append(text)
-            elif isinstance(part.get("image_url"), dict):
-                pieces.append(str(part["image_url"].get("url", "")))
-    return pieces
+            else:
+                marker = _media_marker(part, media_chars)
+                if marker is not None:
+                    pieces.append(marker)
+    return texts, pieces
 
 
 def _texts(value: Any, into: list[str]) -> None:
@@ -80,7 +122,7 @@ def _texts(value: Any, into: list[str]) -> None:
             _texts(item, into)
     elif isinstance(value, dict):
         if "content" in value:
-            into += _content_pieces(value["content"])
+            into += _content_pieces(value["content"], 0)[0]
         else:
             _texts(value.get("text"), into)
 
@@ -89,12 +131,19 @@ class PromptView:
     """The prompt of one request's payload (see the module docstring)."""
 
     __slots__ = ("_canonical", "_contents", "_pieces", "_text", "_tokens", "chars_per_token",
-                 "payload", "route")  # fmt: skip
+                 "media_chars", "payload", "route")  # fmt: skip
 
-    def __init__(self, route: str, payload: dict[str, Any], chars_per_token: float) -> None:
+    def __init__(
+        self,
+        route: str,
+        payload: dict[str, Any],
+        chars_per_token: float,
+        media_tokens: int = MEDIA_TOKENS,
+    ) -> None:
         self.route = route
         self.payload = payload
         self.chars_per_token = chars_per_token
+        self.media_chars = math.ceil(media_tokens * chars_per_token)
         self._pieces: list[str] | None = None
         self._contents: list[str] | None = None
         self._canonical: str | None = None
@@ -120,9 +169,9 @@ class PromptView:
                 pieces.append(_MESSAGE_END)
             for message in messages:
                 if isinstance(message, dict):
-                    parts = _content_pieces(message.get("content"))
+                    texts, parts = _content_pieces(message.get("content"), self.media_chars)
                     pieces += (str(message.get("role", "")), "\n", *parts, _MESSAGE_END)
-                    contents += parts
+                    contents += texts
         else:
             carrier = payload.get("prompt" if self.route == "completions" else "input")
             if isinstance(carrier, str):
@@ -139,8 +188,9 @@ class PromptView:
         self._pieces = pieces
         self._contents = contents
 
-    @staticmethod
-    def _collect_items(payload: dict[str, Any], pieces: list[str], contents: list[str]) -> None:
+    def _collect_items(
+        self, payload: dict[str, Any], pieces: list[str], contents: list[str]
+    ) -> None:
         """A Responses API request rendered as chat messages are: the `instructions` first
         (the system prompt), then its `input`: a string as one user message, or each item's
         role and text (a message's `content`; a tool call's `arguments`, its result's
@@ -156,14 +206,14 @@ class PromptView:
             if not isinstance(item, dict):
                 continue
             if "content" in item:
-                parts = _content_pieces(item["content"])
+                texts, parts = _content_pieces(item["content"], self.media_chars)
             else:
-                parts = [
+                texts = parts = [
                     v for v in (item.get("arguments"), item.get("output")) if isinstance(v, str)
                 ]
             role = item.get("role", item.get("type", ""))
             pieces += (str(role), "\n", *parts, _MESSAGE_END)
-            contents += parts
+            contents += texts
 
     def release(self) -> None:
         """Keep the token estimate, drop the payload and the text taken from it: `contents`,
@@ -229,4 +279,4 @@ class PromptView:
 def prompt_text(payload: dict[str, Any]) -> str:
     """Canonical text of a chat or completions payload ('' when it has no prompt)."""
     route = "chat" if isinstance(payload.get("messages"), list) else "completions"
-    return PromptView(route, payload, 1.0).canonical
+    return PromptView(route, payload, 4.0).canonical

@@ -8,7 +8,7 @@ from kvgate.chain.classify import Classifier
 from kvgate.chain.settings import ClassificationConfig
 from kvgate.chain.tenants import TenantDirectory
 from kvgate.ingress import request_context
-from kvgate.prompt_view import PromptView, prompt_text
+from kvgate.prompt_view import MEDIA_TOKENS, PromptView, prompt_text
 from kvgate.routing.services import RoutingServices
 from kvgate.routing.settings import RoutingConfig
 
@@ -26,7 +26,7 @@ CHAT = {
 @pytest.mark.parametrize(
     ("route", "payload", "contents", "tokens"),
     [
-        ("chat", CHAT, ["You are terse.", "Look: ", "http://i/1"], None),
+        ("chat", CHAT, ["You are terse.", "Look: "], None),
         ("completions", {"prompt": "abcdefgh"}, ["abcdefgh"], 2),
         ("completions", {"prompt": ["abcd", "efghijkl"]}, ["abcd", "efghijkl"], 3),
         ("completions", {"prompt": [1, 2, 3]}, [], 3),
@@ -86,6 +86,33 @@ def test_a_responses_conversation_renders_like_chat_and_keeps_its_prefix_as_it_g
     assert PromptView("responses", longer, 4.0).canonical.startswith(view.canonical)
     first = {**RESPONSES_TURN, "input": "What is a river?"}
     assert view.canonical.startswith(PromptView("responses", first, 4.0).canonical)
+
+
+def _with_image(url: str, text: str = "What is in it?") -> dict:
+    content = [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": url}}]
+    return {"model": "m", "messages": [{"role": "user", "content": content}]}
+
+
+IMAGE = "data:image/jpeg;base64," + "QUJD" * 250_000  # a megabyte of inline image
+
+
+def test_an_inline_image_counts_as_one_media_estimate_not_as_its_bytes():
+    view = PromptView("chat", _with_image(IMAGE), 4.0)
+    text_only = {"model": "m", "messages": [{"role": "user", "content": "What is in it?"}]}
+    assert view.prompt_tokens == PromptView("chat", text_only, 4.0).prompt_tokens + MEDIA_TOKENS
+    assert view.contents == ["What is in it?"]  # rules never search the image's bytes
+    audio = {"type": "input_audio", "input_audio": {"data": "AAAA" * 1000, "format": "wav"}}
+    spoken = {"model": "m", "messages": [{"role": "user", "content": [audio]}]}
+    assert PromptView("chat", spoken, 4.0, media_tokens=300).prompt_tokens < 310
+
+
+def test_the_same_media_renders_the_same_and_other_media_differently():
+    same = PromptView("chat", _with_image(IMAGE), 4.0).canonical
+    assert PromptView("chat", _with_image(IMAGE), 4.0).canonical == same
+    other = IMAGE[:-4] + "QUJE"
+    assert PromptView("chat", _with_image(other), 4.0).canonical != same
+    by_url = PromptView("chat", _with_image("https://example.com/cat.png"), 4.0).canonical
+    assert len(by_url) == len(same)  # by URL or inline, one estimate
 
 
 def test_canonical_text_is_prefix_preserving_and_what_routing_hashes():

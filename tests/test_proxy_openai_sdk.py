@@ -6,6 +6,7 @@ import openai
 import orjson
 import pytest
 
+from tests.chain.helpers import make_key, tenant
 from tests.conftest import gateway_config
 from tests.sdk_clients import sdk_client
 
@@ -165,3 +166,26 @@ def test_round_robin_over_endpoints_serving_the_model(start_gateway):
         for _ in range(6):
             client.chat.completions.create(model="m1", messages=[{"role": "user", "content": "x"}])
         assert [len(e.inference_requests) for e in engines] == [3, 3]
+
+
+def test_an_inline_image_counts_one_media_estimate_against_the_tenants_quota(
+    upstream, start_gateway
+):
+    """A megabyte of inline image is about a thousand prompt tokens to an engine, not the
+    250,000 its bytes would be as text: a tenant with 5,000 tokens a minute is served, and the
+    engine gets the image as the client sent it."""
+    engine, engine_server = upstream
+    key, entry = make_key("pix-1")
+    auth = {"tenants": [tenant("pix", "gold", [entry], limits={"tokens_per_minute": 5000})]}
+    _, server = start_gateway(gateway_config([engine_server.url], auth=auth))
+    image = "data:image/png;base64," + "iVBORw0K" * 125_000
+    content = [
+        {"type": "text", "text": "What is in this picture?"},
+        {"type": "image_url", "image_url": {"url": image}},
+    ]
+    client = sdk_client(base_url=server.url + "/v1", api_key=key, max_retries=0)
+    chat = client.chat.completions.create(
+        model="m1", max_tokens=16, messages=[{"role": "user", "content": content}]
+    )
+    assert chat.choices[0].message.content == "hello"
+    assert engine.inference_requests[-1].body["messages"][0]["content"] == content

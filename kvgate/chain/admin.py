@@ -20,6 +20,7 @@ from kvgate.chain.admission import AdmissionController
 from kvgate.chain.auth import Authenticator
 from kvgate.chain.classify import Classifier
 from kvgate.chain.intent import CLASSES_BY_RANK, request_priority
+from kvgate.chain.settings import ClassificationConfig
 from kvgate.chain.tenants import TenantDirectory
 from kvgate.errors import InvalidRequest, KvgateError, MethodNotAllowed, NotFound
 from kvgate.ingress import (
@@ -41,9 +42,9 @@ class AdminRoutes:
         directory: TenantDirectory,
         classifier: Classifier,
         admission: AdmissionController,
-        chars_per_token: float,
+        estimate: ClassificationConfig,
     ) -> None:
-        self.chars_per_token = chars_per_token
+        self.estimate = estimate  # how prompt tokens are estimated
         self.directory = directory
         self.authenticator = Authenticator(directory)
         self.classifier = classifier
@@ -107,7 +108,8 @@ class AdminRoutes:
             payload,
             headers=scope["headers"],
             body=body,
-            chars_per_token=self.chars_per_token,
+            chars_per_token=self.estimate.chars_per_token,
+            media_tokens=self.estimate.media_tokens,
         )
         intent = self.classifier.classify(ctx, tenant)
         return {

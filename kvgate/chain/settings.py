@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvgate.prompt_view import MEDIA_TOKENS
+
 LatencyClass = Literal["interactive", "standard", "batch"]
 CacheIsolation = Literal["tenant", "shared"]
 RouteName = Literal[
@@ -192,6 +194,8 @@ class ClassificationConfig(_Strict):
     default_max_tokens: int = Field(512, gt=0)
     # Prompt tokens are estimated as characters / chars_per_token (no tokenizer on the path).
     chars_per_token: float = Field(4.0, gt=0)
+    # ... and each image, audio or video part of a message as media_tokens (kvgate/prompt_view.py).
+    media_tokens: int = Field(MEDIA_TOKENS, ge=0)
 
 
 class AdmissionConfig(_Strict):
