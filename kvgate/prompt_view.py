@@ -37,6 +37,7 @@ import orjson
 _MESSAGE_END = "\x1e"  # record separator: cannot be confused with message text boundaries
 _MEDIA_START = "\x1f"  # unit separator: begins a media part's marker
 _SORTED = orjson.OPT_SORT_KEYS
+_SAMPLED_ABOVE = 32 * 1024  # characters of media source digested whole
 # Prompt tokens one media part of a message is estimated at: the gateway decodes no media, and
 # an engine's count depends on the model and the size (a 1024x1024 image: 576 tokens for
 # LLaVA-1.5's fixed 336-pixel grid, 765 in OpenAI's accounting, about 1,300 for Qwen2-VL's
@@ -74,6 +75,20 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _sampled(source: str) -> str:
+    """`source`, or for a long one (inline media) what identifies it at a bounded cost: its
+    length, its first and last 4 KiB and 64 slices of 128 characters spread between. Two
+    different compressed media of one length differ in those almost surely; where they did
+    not, a prefix would be guessed where it is not (a routing miss, never a wrong answer).
+    Digesting a whole megabyte took 1.5 ms of the event loop per request."""
+    size = len(source)
+    if size <= _SAMPLED_ABOVE:
+        return source
+    step = (size - 8192) // 64
+    middle = "".join(source[i : i + 128] for i in range(4096, size - 4096 - 127, step))
+    return f"{size}:{source[:4096]}{middle}{source[-4096:]}"
+
+
 def _media_marker(part: dict[str, Any], chars: int) -> str | None:
     """The canonical text of a media part (an image, audio or video, by URL, inline data or
     embeddings), or None for any other part: `chars` characters drawn from a digest of the
@@ -85,7 +100,7 @@ def _media_marker(part: dict[str, Any], chars: int) -> str | None:
         if isinstance(value, dict) and isinstance(value.get("url"), str):
             value = value["url"]
         source = value if isinstance(value, str) else orjson.dumps(value, option=_SORTED).decode()
-        digest = hashlib.blake2b(source.encode(), digest_size=16).hexdigest()
+        digest = hashlib.blake2b(_sampled(source).encode(), digest_size=16).hexdigest()
         return _MEDIA_START + (digest * (chars // len(digest) + 1))[: max(chars - 1, 0)]
     return None
 
