@@ -97,10 +97,6 @@ def _relevance(query: str, document: str, options: EngineOptions) -> float:
     return 1.0 / (1.0 + math.exp(-8.0 * cosine))
 
 
-def _usage(prompt_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}
-
-
 def tokenize_response(body: Any, options: EngineOptions, vocabulary: Vocabulary) -> dict:
     """`/tokenize`: a `prompt`, or chat `messages` rendered with the engine's template."""
     body = _object(body)
@@ -189,12 +185,17 @@ def score_response(body: Any, options: EngineOptions, vocabulary: Vocabulary) ->
     return _listed("score", model, data, sum(counts))
 
 
-def classify_response(body: Any, options: EngineOptions, vocabulary: Vocabulary) -> dict:
-    """Classify: each `input` into `CLASS_LABELS`, with their probabilities."""
+def _inputs(body: Any, options: EngineOptions) -> tuple[str, list[str], int]:
+    """The model a pooling-style body names, its `input` texts and their tokens in all."""
     body = _object(body)
     model = resolve_model(body, options)
     inputs = _strings(body.get("input"), "input")
-    counts = _fits(inputs, options, "input")
+    return model, inputs, sum(_fits(inputs, options, "input"))
+
+
+def classify_response(body: Any, options: EngineOptions, vocabulary: Vocabulary) -> dict:
+    """Classify: each `input` into `CLASS_LABELS`, with their probabilities."""
+    model, inputs, tokens = _inputs(body, options)
     data = []
     for index, text in enumerate(inputs):
         positive = _relevance(text, CLASS_LABELS[1], options)
@@ -203,20 +204,17 @@ def classify_response(body: Any, options: EngineOptions, vocabulary: Vocabulary)
         data.append(
             {"index": index, "label": label, "probs": probs, "num_classes": len(CLASS_LABELS)}
         )
-    return _listed("classify", model, data, sum(counts))
+    return _listed("classify", model, data, tokens)
 
 
 def pooling_response(body: Any, options: EngineOptions, vocabulary: Vocabulary) -> dict:
     """Pooling: each `input`'s pooled hidden state (here its embedding)."""
-    body = _object(body)
-    model = resolve_model(body, options)
-    inputs = _strings(body.get("input"), "input")
-    counts = _fits(inputs, options, "input")
+    model, inputs, tokens = _inputs(body, options)
     data = [
         {"index": index, "object": "pooling", "data": embed(text, options.embedding_dim)}
         for index, text in enumerate(inputs)
     ]
-    return _listed("pool", model, data, sum(counts))
+    return _listed("pool", model, data, tokens)
 
 
 def _listed(kind: str, model: str, data: list[dict[str, Any]], tokens: int) -> dict:
@@ -226,7 +224,7 @@ def _listed(kind: str, model: str, data: list[dict[str, Any]], tokens: int) -> d
         "created": now_seconds(),
         "model": model,
         "data": data,
-        "usage": _usage(tokens),
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }
 
 
