@@ -8,6 +8,15 @@ PIP_INSTALL := $(BIN)/python -m pip install -q -c constraints.txt
 
 .PHONY: demo test lint constraints clean
 
+# LiteLLM's proxy for the overhead benchmark's peer column, in a virtualenv of its own (its pins
+# clash with kvgate's); not part of the set-up.
+LITELLM_VERSION ?= 1.108.7
+.venv-litellm/bin/litellm:
+	$(PYTHON) -m venv .venv-litellm
+	.venv-litellm/bin/python -m pip install -q 'litellm[proxy]==$(LITELLM_VERSION)'
+
+.venv-litellm: .venv-litellm/bin/litellm
+
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
@@ -51,4 +60,4 @@ constraints:
 	rm -rf .venv-constraints
 
 clean:
-	rm -rf $(VENV) .venv-constraints build *.egg-info
+	rm -rf $(VENV) .venv-constraints .venv-litellm build *.egg-info

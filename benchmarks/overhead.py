@@ -3,10 +3,11 @@
     flock /tmp/kvgate-bench.lock .venv/bin/python benchmarks/overhead.py [--quick]
         [--rates 100,300] [--duration 10] [--chunks 8] [--output FILE]
 
-Starts benchmarks/fast_upstream.py, one kvgate worker (`python -m kvgate.cli serve`) and
-sglang-router (the `bench` extra, started by peer_router.py with `--policy round_robin`) as
-separate processes. LiteLLM's proxy is a column only when `litellm` is importable; otherwise
-the report says why it is missing. Each measurement runs benchmarks/loadgen.py in its own
+Starts benchmarks/fast_upstream.py, one kvgate worker (`python -m kvgate.cli serve`),
+sglang-router (the `bench` extra, started by peer_router.py with `--policy round_robin`) and
+LiteLLM's proxy (one worker, from its own virtualenv: `make .venv-litellm`, or `--litellm
+PATH`; benchmarks/litellm_proxy.py) as separate processes. Without LiteLLM installed its
+column is left out and the report says why. Each measurement runs benchmarks/loadgen.py in its own
 process against every target in ABBA order on the same Poisson schedule; added = target -
 direct at the same percentile, and each gateway's CPU per request comes from its process's CPU
 time (all threads).
@@ -46,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import os
 import subprocess
 import sys
@@ -61,6 +61,7 @@ from typing import Any
 
 import h2load_rates
 import held_streams
+import litellm_proxy
 import orjson
 import peer_router
 import services
@@ -76,6 +77,7 @@ KVGATE_BASELINE = "kvgate baseline"
 PASSTHROUGH = "pass-through"
 TRACING_TARGET = 0.05  # tracing may add this share of kvgate's added latency
 SGLANG = "sglang-router"
+LITELLM = litellm_proxy.NAME
 LAG_LIMIT_MS = 5.0  # generator send lag p99 above this: the instrument is the limit
 RATE_SHORTFALL = 0.95  # achieved rate below this share of the target: same
 DIRECT_P99_LIMIT_MS = 10.0  # the direct path itself is degraded above this
@@ -541,8 +543,14 @@ def failure_kinds(runs: Iterable[Run]) -> str:
     return "Failures by kind:\n" + "\n".join(lines) if lines else "No failed request in any run."
 
 
-def peers_line(missing: dict[str, str]) -> str:
-    text = f"Peers: sglang-router {peer_router.version()} (`--policy round_robin`, one process)."
+def peers_line(missing: dict[str, str], litellm: Path | None) -> str:
+    text = f"Peers: sglang-router {peer_router.version()} (`--policy round_robin`, one process)"
+    if litellm is not None:
+        text += (
+            f"; LiteLLM proxy {litellm_proxy.version(litellm)} (one worker, no master key, "
+            "`hosted_vllm/` to the upstream)"
+        )
+    text += "."
     for name, why in missing.items():
         text += f" {name}: no column, {why}."
     return text
@@ -557,6 +565,7 @@ class Results:
     held: dict[str, held_streams.HeldStreams]
     ceiling: list[tuple[int, dict[str, Any]]]
     missing: dict[str, str]
+    litellm: Path | None
 
 
 def answers_note(settings: Settings) -> str:
@@ -579,7 +588,7 @@ def report(settings: Settings, results: Results) -> str:
         f"stream = {s.chunks} events {s.gap_ms:g} ms apart + [DONE]. All figures in ms; "
         "added = target - direct at the same percentile; CPU ms/req = the gateway process's "
         f"CPU time (user + system, all threads) over the requests sent to it.{answers_note(s)}",
-        peers_line(results.missing),
+        peers_line(results.missing, results.litellm),
         "### Non-streaming",
         unary_table(results.rows["unary"]),
         "### Streaming",
@@ -617,15 +626,18 @@ def report(settings: Settings, results: Results) -> str:
     return "\n\n".join(parts) + "\n"
 
 
-def missing_peers() -> dict[str, str]:
-    if importlib.util.find_spec("litellm") is None:
-        return {"LiteLLM proxy": "`litellm[proxy]` does not install here (not importable)"}
-    return {"LiteLLM proxy": "installed, but not wired into this benchmark yet"}
+def missing_peers(litellm: Path | None) -> dict[str, str]:
+    if litellm is None:
+        return {LITELLM: "`litellm[proxy]` not installed (`make .venv-litellm`, or --litellm)"}
+    return {}
 
 
 @contextmanager
-def gateways(tmp: Path, name: str, upstream_url: str) -> Iterator[dict[str, Gateway]]:
-    """kvgate and sglang-router in front of `upstream_url`, until the block ends."""
+def gateways(
+    tmp: Path, name: str, upstream_url: str, litellm: Path | None = None
+) -> Iterator[dict[str, Gateway]]:
+    """kvgate and sglang-router (and LiteLLM's proxy, run by the `litellm` executable when
+    given) in front of `upstream_url`, until the block ends."""
     kv_port = services.free_port()
     config = tmp / f"{name}.yaml"
     config.write_text(services.gateway_config(kv_port, [upstream_url]))
@@ -637,19 +649,27 @@ def gateways(tmp: Path, name: str, upstream_url: str) -> Iterator[dict[str, Gate
             peer_router.running_router([upstream_url], workdir, "round_robin")
         )
         path = "/v1/chat/completions"
-        yield {
+        running = {
             KVGATE: Gateway(f"http://127.0.0.1:{kv_port}{path}", kv.pid),
             SGLANG: Gateway(sg_base + path, sg_pid),
         }
+        if litellm is not None:
+            ll_base, ll_pid = inner.enter_context(
+                litellm_proxy.running_proxy(upstream_url, "bench-model", workdir, litellm)
+            )
+            running[LITELLM] = Gateway(ll_base + path, ll_pid)
+        yield running
 
 
-def measure_memory(tmp: Path, streams: int) -> dict[str, held_streams.HeldStreams]:
+def measure_memory(
+    tmp: Path, streams: int, litellm: Path | None
+) -> dict[str, held_streams.HeldStreams]:
     """Fresh gateways in front of a slow upstream; RSS with `streams` streams held open."""
     port = services.free_port()
     url = f"http://127.0.0.1:{port}"
     with (
         services.fast_upstream(port, SLOW_CHUNKS, SLOW_GAP_MS),
-        gateways(tmp, "held", url) as running,
+        gateways(tmp, "held", url, litellm) as running,
     ):
         held = {}
         for name, gw in running.items():
@@ -968,6 +988,12 @@ def parse_args() -> argparse.Namespace:
         help="measure instead kvgate beside a pass-through proxy on its own server and client "
         "(what its stack costs, what its request chain adds), rows only",
     )
+    parser.add_argument(
+        "--litellm",
+        type=Path,
+        help="the `litellm` executable of LiteLLM's proxy (default: .venv-litellm/bin/litellm, "
+        "else one on PATH; without one its column is left out)",
+    )
     parser.add_argument("--output", type=Path, help="also write the Markdown here")
     args = parser.parse_args()
     if args.quick:
@@ -1021,9 +1047,10 @@ def main() -> int:
                 bench.settle(min(args.rates))
                 rows = {m: [bench.measure(rate, m) for rate in args.rates] for m in MODES}
             return _finish(baseline_report(settings, args.baseline, rows), args, started)
+        litellm = litellm_proxy.executable(args.litellm)
         with (
             services.fast_upstream(up_port, args.chunks, args.gap_ms, args.answer_logprobs),
-            gateways(tmp, "bench", upstream_url) as running,
+            gateways(tmp, "bench", upstream_url, litellm) as running,
         ):
             bench = Bench(upstream_url + "/v1/chat/completions", running, settings)
             bench.settle(min(args.rates))
@@ -1041,8 +1068,10 @@ def main() -> int:
             h2load = missing_h2load or bench.highest_rates(
                 "unary", args.h2load_rates, args.search_duration, h2load=True
             )
-        held = measure_memory(tmp, args.streams)
-    results = Results(searches, h2load, rows, prompt, held, ceiling, missing_peers())
+        held = measure_memory(tmp, args.streams, litellm)
+    results = Results(
+        searches, h2load, rows, prompt, held, ceiling, missing_peers(litellm), litellm
+    )
     return _finish(report(settings, results), args, started)
 
 
