@@ -12,6 +12,7 @@ SKIP_DIRS = {
     ".git",
     ".venv",
     ".venv-constraints",
+    ".venv-litellm",
     "build",
     "dist",
     "__pycache__",
