@@ -3,14 +3,16 @@
     flock /tmp/kvgate-bench.lock .venv/bin/python benchmarks/overhead.py [--quick]
         [--rates 100,300] [--duration 10] [--chunks 8] [--output FILE]
 
-Starts benchmarks/fast_upstream.py, one kvgate worker (`python -m kvgate.cli serve`),
-sglang-router (the `bench` extra, started by peer_router.py with `--policy round_robin`) and
-LiteLLM's proxy (one worker, from its own virtualenv: `make .venv-litellm`, or `--litellm
-PATH`; benchmarks/litellm_proxy.py) as separate processes. Without LiteLLM installed its
-column is left out and the report says why. Each measurement runs benchmarks/loadgen.py in its own
-process against every target in ABBA order on the same Poisson schedule; added = target -
-direct at the same percentile, and each gateway's CPU per request comes from its process's CPU
-time (all threads).
+Starts benchmarks/fast_upstream.py, one kvgate worker (`python -m kvgate.cli serve`) and
+sglang-router (the `bench` extra, started by peer_router.py with `--policy round_robin`) as
+separate processes. LiteLLM's proxy (one worker, from its own virtualenv: `make .venv-litellm`,
+or `--litellm PATH`; benchmarks/litellm_proxy.py) is measured after them in a pass of its own,
+beside its own direct calls, at the same rates: it spends about 15 ms of CPU per request here,
+so it is overloaded at rates the others hold, and the backlog it then works through would take
+the CPU the other targets' turns need. Without LiteLLM installed the report says why. Each
+measurement runs benchmarks/loadgen.py in its own process against every target in ABBA order on
+the same Poisson schedule; added = target - direct at the same percentile, and each gateway's
+CPU per request comes from its process's CPU time (all threads).
 
 In order, on fresh gateways: every rate x mode row; the cost of a ~100k-token chat prompt
 (~400 KB, end to end); the highest rate at which each gateway's added p99 stays under 10 ms
@@ -83,6 +85,7 @@ RATE_SHORTFALL = 0.95  # achieved rate below this share of the target: same
 DIRECT_P99_LIMIT_MS = 10.0  # the direct path itself is degraded above this
 ADDED_P99_TARGET_MS = 10.0
 SEARCH_RATES = (100, 300, 500, 800, 1000, 1500, 2000)
+LITELLM_LOW_RATES = (10, 25, 50)  # where LiteLLM's search starts
 CEILING_RATES = (1000, 1500, 2000, 3000, 4000)
 H2LOAD_RATES = (1000, 1500, 2000, 3000, 4000, 6000)
 PROMPT_BYTES = 400_000  # ~100k tokens at ~4 bytes a token
@@ -566,6 +569,7 @@ class Results:
     ceiling: list[tuple[int, dict[str, Any]]]
     missing: dict[str, str]
     litellm: Path | None
+    litellm_pass: str
 
 
 def answers_note(settings: Settings) -> str:
@@ -623,6 +627,12 @@ def report(settings: Settings, results: Results) -> str:
         "### Instrument ceiling (generator + upstream, direct only)",
         ceiling_table(results.ceiling),
     ]
+    if results.litellm_pass:
+        parts += [
+            "### LiteLLM's proxy, in a pass of its own (after the others, beside its own direct "
+            "calls)",
+            results.litellm_pass,
+        ]
     return "\n\n".join(parts) + "\n"
 
 
@@ -637,7 +647,8 @@ def gateways(
     tmp: Path, name: str, upstream_url: str, litellm: Path | None = None
 ) -> Iterator[dict[str, Gateway]]:
     """kvgate and sglang-router (and LiteLLM's proxy, run by the `litellm` executable when
-    given) in front of `upstream_url`, until the block ends."""
+    given: memory only, where the gateways are measured one after the other) in front of
+    `upstream_url`, until the block ends."""
     kv_port = services.free_port()
     config = tmp / f"{name}.yaml"
     config.write_text(services.gateway_config(kv_port, [upstream_url]))
@@ -659,6 +670,46 @@ def gateways(
             )
             running[LITELLM] = Gateway(ll_base + path, ll_pid)
         yield running
+
+
+def litellm_pass(tmp: Path, args: argparse.Namespace, settings: Settings, litellm: Path) -> str:
+    """LiteLLM's proxy alone in front of a fresh upstream: the rows, the long prompt and both
+    searches, as the main pass measures the others; its report section."""
+    port = services.free_port()
+    url = f"http://127.0.0.1:{port}"
+    workdir = tmp / "litellm"
+    workdir.mkdir()
+    with (
+        services.fast_upstream(port, args.chunks, args.gap_ms, args.answer_logprobs),
+        litellm_proxy.running_proxy(url, "bench-model", workdir, litellm) as (base, pid),
+    ):
+        path = "/v1/chat/completions"
+        bench = Bench(url + path, {LITELLM: Gateway(base + path, pid)}, settings)
+        bench.settle(min(args.rates))
+        rows = {mode: [bench.measure(rate, mode) for rate in args.rates] for mode in MODES}
+        prompt = bench.measure(
+            args.prompt_rate, "unary", duration=settings.duration, prompt_bytes=PROMPT_BYTES
+        )
+        # From well below the others' lowest rate: at ~15 ms of CPU a request it holds tens.
+        rates = sorted({*LITELLM_LOW_RATES, *args.search_rates})
+        searches = {mode: bench.highest_rates(mode, rates, args.search_duration) for mode in MODES}
+    parts = ["#### Non-streaming", unary_table(rows["unary"])]
+    parts += ["#### Streaming", stream_table(rows["stream"])]
+    searched = []
+    for mode, (found, runs) in searches.items():
+        title = "non-streaming" if mode == "unary" else "streaming, judged by TTFT"
+        parts += [
+            f"#### Highest rate, {title} (searched upward)",
+            search_lines(mode, found),
+            (unary_table if mode == "unary" else stream_table)(runs),
+        ]
+        searched += runs
+    parts += [
+        f"#### A ~100k-token chat prompt, {prompt.rate} req/s",
+        prompt_table(prompt),
+        failure_kinds([*rows["unary"], *rows["stream"], *searched, prompt]),
+    ]
+    return "\n\n".join(parts)
 
 
 def measure_memory(
@@ -1050,7 +1101,7 @@ def main() -> int:
         litellm = litellm_proxy.executable(args.litellm)
         with (
             services.fast_upstream(up_port, args.chunks, args.gap_ms, args.answer_logprobs),
-            gateways(tmp, "bench", upstream_url, litellm) as running,
+            gateways(tmp, "bench", upstream_url) as running,
         ):
             bench = Bench(upstream_url + "/v1/chat/completions", running, settings)
             bench.settle(min(args.rates))
@@ -1069,8 +1120,9 @@ def main() -> int:
                 "unary", args.h2load_rates, args.search_duration, h2load=True
             )
         held = measure_memory(tmp, args.streams, litellm)
+        apart = "" if litellm is None else litellm_pass(tmp, args, settings, litellm)
     results = Results(
-        searches, h2load, rows, prompt, held, ceiling, missing_peers(litellm), litellm
+        searches, h2load, rows, prompt, held, ceiling, missing_peers(litellm), litellm, apart
     )
     return _finish(report(settings, results), args, started)
 

@@ -191,3 +191,19 @@ def test_the_simulators_vocabulary_stops_growing_at_its_limit(monkeypatch):
     vocabulary = Vocabulary()
     vocabulary.learn(["a", "b", "c", "d"], [1, 2, 3, 4])
     assert len(vocabulary) == 3 and vocabulary.text([1, 2, 3]) == "abc"
+
+
+def test_admin_explain_takes_the_engine_apis_paths(fleet, start_gateway):
+    _, server = start_gateway(gateway_config(fleet.urls, pool={"models": [MODEL]}))
+    ranked = httpx.post(
+        server.url + "/admin/explain/v1/rerank",
+        json={"model": MODEL, "query": "abcd", "documents": ["efgh"]},
+        timeout=10,
+    )
+    assert ranked.status_code == 200, ranked.text
+    assert ranked.json()["intent"]["estimated_prompt_tokens"] == 2
+    assert ranked.json()["intent"]["max_tokens"] == 0
+    tokenized = httpx.post(
+        server.url + "/admin/explain/tokenize", json={"model": MODEL, "prompt": LONG}, timeout=10
+    )
+    assert tokenized.json()["intent"]["estimated_prompt_tokens"] == 0

@@ -2,7 +2,7 @@
 
     GET  /admin/admission                          queue lengths, active and queued requests
                                                    per tenant, open quota reservations
-    POST /admin/explain/v1/chat/completions?tenant=NAME   (or /v1/completions, /v1/embeddings)
+    POST /admin/explain/v1/chat/completions?tenant=NAME   (or any other inference path)
                                                    how a request would be classified: the
                                                    matching rule, class, deadline, priority
 
