@@ -43,11 +43,11 @@ _SAMPLED_ABOVE = 32 * 1024  # characters of media source digested whole
 # LLaVA-1.5's fixed 336-pixel grid, 765 in OpenAI's accounting, about 1,300 for Qwen2-VL's
 # 28-pixel patches); this is the order of a one-megapixel image in them.
 MEDIA_TOKENS = 1000
-# The keys of a content part that carry media (vLLM's, OpenAI's `input_audio`).
+# The keys of a content part that carry media (vLLM's; OpenAI's `input_audio`; a Responses
+# `input_image` part's `image_url`, a string there).
 MEDIA_KEYS = (
     "image_url",
     "image_embeds",
-    "input_image",
     "audio_url",
     "input_audio",
     "audio_embeds",

@@ -2,12 +2,11 @@
 
 Routes: the OpenAI endpoints, the engine's own JSON APIs (`/tokenize`, `/detokenize`, rerank,
 score, `/classify`, `/pooling`: kvgate/sim/engine_apis.py), `/health`, `/metrics`, the
-flavour's extras (vLLM
-`/reset_prefix_cache`, `/v1/responses` and, under `/v1/responses/{id}`, retrieve and cancel;
-SGLang `/v1/loads`, `/get_load`, `/flush_cache`, `/health_generate`) and the simulator's own
-`/sim/stats`, `/sim/first-tokens` and `/sim/faults` (and `/sim/kv-events/faults` when the
-engine publishes KV events). Inference requests pass through the fault injector first;
-everything else is never faulted.
+flavour's extras (vLLM `/reset_prefix_cache`, `/v1/responses` and, under
+`/v1/responses/{id}`, retrieve and cancel; SGLang `/v1/loads`, `/get_load`, `/flush_cache`,
+`/health_generate`) and the simulator's own `/sim/stats`, `/sim/first-tokens` and
+`/sim/faults` (and `/sim/kv-events/faults` when the engine publishes KV events). Inference
+requests pass through the fault injector first; everything else is never faulted.
 """
 
 import asyncio
