@@ -129,3 +129,15 @@ def test_classification_admission_and_routing_read_one_estimate():
     match = services.prefix_match(ctx)
     assert intent.prompt_tokens == ctx.view.prompt_tokens == match.prompt_tokens
     assert intent.reserved_tokens == ctx.view.prompt_tokens + intent.max_tokens
+
+
+def test_a_responses_input_image_counts_as_media():
+    content = [
+        {"type": "input_text", "text": "What is in it?"},
+        {"type": "input_image", "image_url": IMAGE},
+    ]
+    payload = {"model": "m", "input": [{"role": "user", "content": content}]}
+    view = PromptView("responses", payload, 4.0)
+    text_only = {"model": "m", "input": [{"role": "user", "content": "What is in it?"}]}
+    assert view.contents == ["What is in it?"]
+    assert view.prompt_tokens == PromptView("responses", text_only, 4.0).prompt_tokens + 1000
