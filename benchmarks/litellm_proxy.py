@@ -16,12 +16,11 @@ import contextlib
 import os
 import shutil
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-from peer_router import PeerUnavailable
+from peer_router import PeerUnavailable, wait_until_ready
 from services import BENCH_DIR, free_port, stop
 
 NAME = "LiteLLM proxy"
@@ -68,12 +67,6 @@ def config(upstream_url: str, model: str) -> str:
     )
 
 
-def _tail(log: Path, lines: int = 15) -> str:
-    if not log.exists():
-        return ""
-    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
-
-
 def _alive(base: str) -> bool:
     try:
         return httpx.get(base + "/health/liveliness", timeout=1.0).status_code == 200
@@ -115,13 +108,7 @@ def running_proxy(
         )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + READY_SECONDS
-        while not _alive(base):
-            if proc.poll() is not None:
-                raise PeerUnavailable(f"litellm exited ({proc.returncode}): {_tail(log)}")
-            if time.monotonic() > deadline:
-                raise PeerUnavailable(f"litellm not ready in {READY_SECONDS:g} s: {_tail(log)}")
-            time.sleep(0.2)
+        wait_until_ready(proc, lambda: _alive(base), log, "litellm", READY_SECONDS)
         yield base, proc.pid
     finally:
         stop(proc)

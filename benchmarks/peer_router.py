@@ -18,10 +18,11 @@ routes every request to them with the `--policy` given, which is what this colum
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -49,6 +50,20 @@ def _tail(log: Path, lines: int = 15) -> str:
     if not log.exists():
         return ""
     return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def wait_until_ready(
+    proc: subprocess.Popen[bytes], ready: Callable[[], bool], log: Path, name: str, seconds: float
+) -> None:
+    """Poll `ready` until it holds; PeerUnavailable, with the tail of `log`, if the peer exits
+    or is not ready in `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not ready():
+        if proc.poll() is not None:
+            raise PeerUnavailable(f"{name} exited ({proc.returncode}): {_tail(log)}")
+        if time.monotonic() > deadline:
+            raise PeerUnavailable(f"{name} not ready in {seconds:g} s: {_tail(log)}")
+        time.sleep(0.1)
 
 
 def _ready(base: str, workers: int) -> bool:
@@ -100,15 +115,8 @@ def running_router(worker_urls: list[str], workdir: Path, policy: str) -> Iterat
         proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=sink, stderr=sink)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + READY_SECONDS
-        while not _ready(base, len(worker_urls)):
-            if proc.poll() is not None:
-                raise PeerUnavailable(f"sglang-router exited ({proc.returncode}): {_tail(log)}")
-            if time.monotonic() > deadline:
-                raise PeerUnavailable(
-                    f"sglang-router not ready in {READY_SECONDS:g} s: {_tail(log)}"
-                )
-            time.sleep(0.1)
+        ready = functools.partial(_ready, base, len(worker_urls))
+        wait_until_ready(proc, ready, log, "sglang-router", READY_SECONDS)
         yield base, proc.pid
     finally:
         stop(proc)

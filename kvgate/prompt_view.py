@@ -127,6 +127,15 @@ def _content_pieces(content: Any, media_chars: int) -> tuple[list[str], list[str
     return texts, pieces
 
 
+def _content_texts(content: Any) -> list[str]:
+    """A message's content's texts alone (no media marker made)."""
+    if isinstance(content, str):
+        return [content]
+    if not isinstance(content, list):
+        return []
+    return [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+
+
 def _texts(value: Any, into: list[str]) -> None:
     """Every text in `value`: a string, the strings of a list, a message's or a document's
     `content` or `text`."""
@@ -137,7 +146,7 @@ def _texts(value: Any, into: list[str]) -> None:
             _texts(item, into)
     elif isinstance(value, dict):
         if "content" in value:
-            into += _content_pieces(value["content"], 0)[0]
+            into += _content_texts(value["content"])
         else:
             _texts(value.get("text"), into)
 
