@@ -38,7 +38,9 @@ import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Tokenizer
 
+from kvgate.routing.hf_chat import ContentFormat, content_format, template_messages, template_tools
 from kvgate.routing.token_memo import MEMO_TOKENS, TokenMemo
+from kvgate.sim_chat_template import TemplateError, responses_messages
 
 # `tokenizers`' switch for encoding a batch on every core (module docstring).
 PARALLELISM = "TOKENIZERS_PARALLELISM"
@@ -52,12 +54,26 @@ _PROBE_TEXTS = (
 )
 
 
+# Template arguments a request's `chat_template_kwargs` may not set: vLLM refuses the first two,
+# and the messages are the request's own.
+_RESERVED_ARGUMENTS = frozenset({"chat_template", "tokenize", "messages", "conversation"})
+
+
 def _raise_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent)
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """transformers' `tojson` filter for chat templates."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _token_text(value: Any) -> str:
@@ -86,6 +102,7 @@ class HfTokenizer:
         self._special_ids: dict[str, int] = {}
         self._pieces: re.Pattern[str] | None = None
         self._template: jinja2.Template | None = None
+        self._content_format: ContentFormat = "string"
         if template is not None:
             env = jinja2.sandbox.ImmutableSandboxedEnvironment(
                 trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
@@ -93,6 +110,7 @@ class HfTokenizer:
             env.filters["tojson"] = _tojson
             env.globals["raise_exception"] = _raise_exception
             self._template = env.from_string(template)
+            self._content_format = content_format(env.parse(template))
         specials = {
             token.content: token_id
             for token_id, token in tokenizer.get_added_tokens_decoder().items()
@@ -186,8 +204,8 @@ class HfTokenizer:
             raise ValueError(f"the chat template of {path} does not compile: {error}") from None
 
     def prompt_ids(self, route: str, payload: dict[str, Any]) -> list[int] | None:
-        if route == "chat":
-            text = self.render_chat(payload)
+        if route in ("chat", "responses"):
+            text = self.render_chat(payload) if route == "chat" else self._render_responses(payload)
             if text is None:
                 return None
             if self._pieces is not None:
@@ -203,28 +221,52 @@ class HfTokenizer:
                 return prompt  # token ids given directly reach the engine as they are
         return None
 
+    def _render_responses(self, payload: dict[str, Any]) -> str | None:
+        """A Responses API request rendered from the messages vLLM builds of it. With `tools`
+        it is not reproduced: vLLM versions convert that request's tools differently."""
+        if payload.get("tools"):
+            return None
+        try:
+            messages = responses_messages(payload)
+        except TemplateError:
+            return None
+        return self.render_chat({"messages": messages})
+
     def render_chat(self, payload: dict[str, Any]) -> str | None:
-        """The chat template applied to the payload's messages (None: no template, or it
-        refused them)."""
-        messages = payload.get("messages")
-        if self._template is None or not isinstance(messages, list):
+        """The chat template applied to the payload's messages and tools as vLLM applies it
+        (kvgate/routing/hf_chat.py), with the request's `documents` and
+        `chat_template_kwargs` (None: no template, a request the engine refuses, or one this
+        gateway cannot reproduce)."""
+        if self._template is None:
+            return None
+        messages = template_messages(payload.get("messages"), self._content_format)
+        if not messages:
             return None
         continued = bool(payload.get("continue_final_message", False))
+        arguments: dict[str, Any] = {
+            "add_generation_prompt": not continued
+            and bool(payload.get("add_generation_prompt", True)),
+            "continue_final_message": continued,
+            "tools": template_tools(payload.get("tools")),
+            "documents": payload.get("documents"),
+            **self._special,
+        }
+        extra = payload.get("chat_template_kwargs")
+        if isinstance(extra, dict):
+            if _RESERVED_ARGUMENTS.intersection(extra):
+                return None
+            arguments.update(extra)
         try:
-            text = self._template.render(
-                messages=messages,
-                tools=payload.get("tools"),
-                add_generation_prompt=not continued
-                and bool(payload.get("add_generation_prompt", True)),
-                **self._special,
-            )
+            text = self._template.render(messages=messages, **arguments)
         except (jinja2.TemplateError, TypeError, ValueError):
             return None
         if continued:
             # As transformers does: cut after the final message's content, leaving it open.
-            final = messages[-1].get("content") if isinstance(messages[-1], dict) else None
-            if not isinstance(final, str) or final.strip() not in text:
-                return None
+            final = messages[-1]["content"]
+            if isinstance(final, list):
+                final = final[-1]["text"] if final else ""
             final = final.strip()
+            if not final or final not in text:
+                return None
             text = text[: text.rindex(final) + len(final)]
         return text

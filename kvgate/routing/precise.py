@@ -49,7 +49,7 @@ log = logging.getLogger("kvgate.routing")
 OVERFLOWED = "index_overflow"
 NOT_STARTED = "starting"
 # The routes a prompt tokenizer reproduces (kvgate/routing/prompt_tokens.py).
-TOKENIZED_ROUTES = frozenset({"chat", "completions"})
+TOKENIZED_ROUTES = frozenset({"chat", "completions", "responses"})
 
 
 @dataclass(slots=True, eq=False)

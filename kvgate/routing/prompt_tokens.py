@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from kvgate.config import Config, ConfigError
 from kvgate.routing.settings import TokenizerConfig
 from kvgate.routing.token_memo import MEMO_TOKENS, TokenMemo
-from kvgate.sim_chat_template import TemplateError, render_chat_parts
+from kvgate.sim_chat_template import TemplateError, render_chat_parts, responses_messages
 from kvgate.sim_tokenizer import tokenize
 
 # Distinct token texts whose ids the sim tokenizer remembers (a token's id is the CRC-32 of
@@ -32,7 +32,8 @@ class PromptTokenizer(Protocol):
 
     def prompt_ids(self, route: str, payload: dict[str, Any]) -> list[int] | None:
         """The prompt's token ids as the engine will see them (the chat template applied
-        for `chat`), or None when this request cannot be reproduced."""
+        for `chat`, and for `responses` to the messages the engine builds from the request),
+        or None when this request cannot be reproduced."""
         ...
 
 
@@ -49,13 +50,20 @@ class SimTokenizer:
         self._messages = TokenMemo(MEMO_TOKENS)
 
     def prompt_ids(self, route: str, payload: dict[str, Any]) -> list[int] | None:
-        if route == "chat":
+        if route in ("chat", "responses"):
             try:
-                parts = render_chat_parts(
-                    payload.get("messages") or [],
-                    add_generation_prompt=bool(payload.get("add_generation_prompt", True)),
-                    continue_final_message=bool(payload.get("continue_final_message", False)),
-                )
+                if route == "chat":
+                    parts = render_chat_parts(
+                        payload.get("messages") or [],
+                        add_generation_prompt=bool(payload.get("add_generation_prompt", True)),
+                        continue_final_message=bool(payload.get("continue_final_message", False)),
+                    )
+                else:
+                    parts = render_chat_parts(
+                        responses_messages(payload),
+                        add_generation_prompt=True,
+                        continue_final_message=False,
+                    )
             except TemplateError:
                 return None
             ids: list[int] = []

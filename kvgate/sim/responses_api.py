@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from kvgate.sim_chat_template import TemplateError, message_text, responses_messages
+
 from .asgi_types import Send
 from .engine_core import ABORTED
 from .openai_api import CHAT, ApiError, Generation, output_text, parse_generation, resolve_model
@@ -58,40 +60,22 @@ class ResponseGeneration(Generation):
     background: bool = False
 
 
-def _text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        pieces = [
-            part["text"]
-            for part in content
-            if isinstance(part, dict)
-            and part.get("type") in ("input_text", "output_text")
-            and isinstance(part.get("text"), str)
-        ]
-        if len(pieces) == len(content):
-            return "".join(pieces)
-    raise ApiError(400, f"{where} must be a string or an array of text parts", where)
-
-
 def _messages(body: dict[str, Any], history: list[dict[str, str]]) -> list[dict[str, str]]:
     """The instructions (as vLLM puts them: first, before the conversation continued), the
-    stored conversation `history`, then the new input."""
+    stored conversation `history`, then the new input, each message's content as its text."""
+    try:
+        given = responses_messages(body)
+    except TemplateError as error:
+        raise ApiError(400, str(error), error.param) from None
+    system = 1 if body.get("instructions") else 0
     messages: list[dict[str, str]] = []
-    instructions = body.get("instructions")
-    if instructions is not None:
-        messages.append({"role": "system", "content": _text(instructions, "instructions")})
-    messages += history
-    given = body.get("input")
-    if isinstance(given, str):
-        return [*messages, {"role": "user", "content": given}]
-    if not isinstance(given, list) or not given:
-        raise ApiError(400, "input must be a string or a non-empty array of messages", "input")
-    for i, item in enumerate(given):
-        if not isinstance(item, dict) or not isinstance(item.get("role"), str):
-            raise ApiError(400, f"input[{i}] must be a message with a role", "input")
-        messages.append({"role": item["role"], "content": _text(item.get("content"), "input")})
-    return messages
+    for index, message in enumerate(given):
+        where = "instructions" if index < system else "input"
+        try:
+            messages.append({"role": message["role"], "content": message_text(message["content"])})
+        except TemplateError as error:
+            raise ApiError(400, f"{where}: {error}", where) from None
+    return [*messages[:system], *history, *messages[system:]]
 
 
 def _flag(body: dict[str, Any], name: str, default: bool) -> bool:

@@ -90,8 +90,9 @@ def modes(app: GatewayApp) -> dict[str, str]:
     return {name: precise.mode(name)[0] for name in precise.endpoints}  # type: ignore[index]
 
 
+@pytest.mark.parametrize("api", ["chat", "responses"])
 def test_precise_index_agrees_with_the_engines_and_places_shared_prefixes(
-    engines: SimFleet, start_gateway: Start
+    engines: SimFleet, start_gateway: Start, api: str
 ) -> None:
     app, server = start_gateway(precise_config(engines))
     wait_for(lambda: set(modes(app).values()) == {"precise"})
@@ -100,18 +101,26 @@ def test_precise_index_agrees_with_the_engines_and_places_shared_prefixes(
     chosen: dict[int, set[str]] = {}
     for turn in range(60):
         group = turn % len(SYSTEMS)
-        raw = client.chat.completions.with_raw_response.create(
-            model="sim-model",
-            max_tokens=4,
-            messages=[
-                {"role": "system", "content": SYSTEMS[group]},
-                {"role": "user", "content": f"Question {turn} about gears?"},
-            ],
-        )
+        question = f"Question {turn} about gears?"
+        raw: Any
+        if api == "chat":
+            raw = client.chat.completions.with_raw_response.create(
+                model="sim-model",
+                max_tokens=4,
+                messages=[
+                    {"role": "system", "content": SYSTEMS[group]},
+                    {"role": "user", "content": question},
+                ],
+            )
+        else:
+            raw = client.responses.with_raw_response.create(
+                model="sim-model", max_output_tokens=4, instructions=SYSTEMS[group], input=question
+            )
         chosen.setdefault(group, set()).add(raw.headers["x-kvgate-endpoint"])
         caught_up(app, engines)  # steady state: what the engines published has arrived
-        completion = raw.parse()
-        assert completion.usage is not None and completion.usage.prompt_tokens_details is not None
+        usage = raw.parse().usage
+        details = usage.prompt_tokens_details if api == "chat" else usage.input_tokens_details
+        assert details is not None
         if turn < len(SYSTEMS):
             continue  # the first request of each group: the engines learn the prefix
         drift = app.routing.feedback.drift

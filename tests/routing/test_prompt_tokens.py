@@ -47,6 +47,19 @@ CHATS: list[dict[str, Any]] = [
     },
 ]
 PROMPTS = ["Plain completion prompt", ["A one-element list prompt "], "x" * 500 + " end <|im_end|>"]
+RESPONSES: list[dict[str, Any]] = [
+    {"input": "Hello there, how are the gears today?"},
+    {"instructions": "Be brief.", "input": "Ünïcode — 漢字 🚲"},
+    {"instructions": "", "input": "Empty instructions add no system message"},
+    {
+        "instructions": "Answer from the notes.",
+        "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "note one"}] * 2},
+            {"type": "message", "role": "assistant", "content": "noted"},
+            {"role": "user", "content": [{"type": "input_text", "text": "and two?"}]},
+        ],
+    },
+]
 
 
 def test_sim_tokenizer_counts_what_the_simulated_engine_counts():
@@ -63,6 +76,26 @@ def test_sim_tokenizer_counts_what_the_simulated_engine_counts():
             answer = httpx.post(f"{url}/v1/completions", json=body, timeout=10).json()
             ids = tokenizer.prompt_ids("completions", body)
             assert ids is not None and len(ids) == answer["usage"]["prompt_tokens"], prompt
+
+
+def test_sim_tokenizer_counts_what_the_simulated_engine_counts_for_responses_requests():
+    """A Responses request is rendered from the messages the engine builds of it: the
+    instructions first (when not empty), then the input, text parts joined by newlines."""
+    tokenizer = SimTokenizer()
+    with SimFleet.in_thread(engines=1, options=EngineOptions(profile="fast")) as fleet:
+        for request in RESPONSES:
+            body = {"model": "sim-model", "max_output_tokens": 1, **request}
+            answer = httpx.post(f"{fleet.urls[0]}/v1/responses", json=body, timeout=10).json()
+            ids = tokenizer.prompt_ids("responses", body)
+            assert ids is not None and len(ids) == answer["usage"]["input_tokens"], request
+    as_chat = {
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    }
+    same = {"instructions": "Be brief.", "input": "hi"}
+    assert tokenizer.prompt_ids("responses", same) == tokenizer.prompt_ids("chat", as_chat)
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    assert tokenizer.prompt_ids("responses", {"input": [call]}) is None
+    assert tokenizer.prompt_ids("responses", {"input": []}) is None
 
 
 def test_sim_tokenizer_message_by_message_equals_the_whole_rendered_prompt():
@@ -198,22 +231,93 @@ def test_a_tokenizer_whose_first_split_differs_is_encoded_whole(tmp_path):
 
 
 def test_hf_template_list_form_and_jinja_file_and_refusals(tmp_path):
+    user = {"role": "user", "content": "a"}
     _tiny_tokenizer(
         tmp_path / "listed",
         {"chat_template": [{"name": "default", "template": "X{{ messages[0]['content'] }}"}]},
     )
-    assert (
-        HfTokenizer.load(tmp_path / "listed").render_chat({"messages": [{"content": "a"}]}) == "Xa"
-    )
+    listed = HfTokenizer.load(tmp_path / "listed")
+    assert listed.render_chat({"messages": [user]}) == "Xa"
+    assert listed.render_chat({"messages": [{"content": "a"}]}) is None  # vLLM needs a role
     _tiny_tokenizer(tmp_path / "file", None)
     (tmp_path / "file" / "chat_template.jinja").write_text(
         "{% if messages|length > 1 %}{{ raise_exception('one message only') }}{% endif %}Y"
     )
     loaded = HfTokenizer.load(tmp_path / "file")
-    assert loaded.render_chat({"messages": [{"content": "a"}]}) == "Y"
-    assert loaded.prompt_ids("chat", {"messages": [{"content": "a"}, {"content": "b"}]}) is None
+    assert loaded.render_chat({"messages": [user]}) == "Y"
+    assert loaded.prompt_ids("chat", {"messages": [user, user]}) is None
     _tiny_tokenizer(tmp_path / "bare", None)
-    assert HfTokenizer.load(tmp_path / "bare").prompt_ids("chat", {"messages": []}) is None
+    assert HfTokenizer.load(tmp_path / "bare").prompt_ids("chat", {"messages": [user]}) is None
+
+
+PARTS_TEMPLATE = (
+    "{% set conversation = messages %}{% for message in conversation %}{{ message.role }}:"
+    "{% for part in message['content'] %}[{{ part['text'] }}]{% endfor %}|{% endfor %}"
+)
+TOOLS_TEMPLATE = (
+    "{% for message in messages %}{{ message['content'] }}"
+    "{% for call in message.tool_calls or [] %}{{ call.function.arguments | tojson }}{% endfor %}"
+    "{% endfor %}{{ tools | tojson(separators=(',', ':')) }}"
+    "{% if enable_thinking is defined and not enable_thinking %} no-think{% endif %}"
+    "{% if documents %} docs={{ documents | length }}{% endif %}"
+)
+
+
+def test_hf_templates_get_the_messages_and_tools_vllm_gives_them(tmp_path):
+    """As vLLM's chat parser: content as newline-joined text, or as text parts for a template
+    that loops over content; tool call arguments as objects; tools with their null fields;
+    the request's documents and chat_template_kwargs; media and refused kwargs not rendered."""
+    parts = [{"type": "text", "text": "hello"}, {"type": "input_text", "text": "world"}]
+    _tiny_tokenizer(tmp_path / "string", {"chat_template": CHATML, "bos_token": "<s>"})
+    string = HfTokenizer.load(tmp_path / "string")
+    rendered = string.render_chat({"messages": [{"role": "user", "content": parts}]})
+    assert rendered is not None and "user\nhello\nworld<|im_end|>" in rendered
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    assert string.render_chat({"messages": [{"role": "user", "content": [image]}]}) is None
+
+    _tiny_tokenizer(tmp_path / "parts", {"chat_template": PARTS_TEMPLATE})
+    looped = HfTokenizer.load(tmp_path / "parts")
+    messages = [{"role": "system", "content": "be kind"}, {"role": "user", "content": parts}]
+    assert looped.render_chat({"messages": messages}) == "system:[be kind]|user:[hello][world]|"
+
+    _tiny_tokenizer(tmp_path / "tools", {"chat_template": TOOLS_TEMPLATE})
+    tools = HfTokenizer.load(tmp_path / "tools")
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    chat: dict[str, Any] = {
+        "messages": [{"role": "assistant", "content": None, "tool_calls": [call]}],
+        "tools": [{"type": "function", "function": {"name": "f", "strict": True}}],
+    }
+    dumped = (
+        '[{"type":"function","function":'
+        '{"name":"f","description":null,"parameters":null,"strict":true}}]'
+    )
+    assert tools.render_chat(chat) == '{"a": 1}' + dumped
+    thinking = {**chat, "chat_template_kwargs": {"enable_thinking": False}, "documents": [{}]}
+    assert tools.render_chat(thinking) == '{"a": 1}' + dumped + " no-think docs=1"
+    assert tools.render_chat({**chat, "chat_template_kwargs": {"tokenize": True}}) is None
+    broken = {**call, "function": {"name": "f", "arguments": "{not json"}}
+    assert tools.render_chat({"messages": [{"role": "assistant", "tool_calls": [broken]}]}) is None
+
+
+def test_hf_responses_requests_render_as_the_chat_vllm_builds_of_them(tmp_path):
+    _tiny_tokenizer(tmp_path, {"chat_template": CHATML, "bos_token": "<s>"})
+    loaded = HfTokenizer.load(tmp_path)
+    system = {"role": "system", "content": "how are"}
+    user = {"role": "user", "content": "hello world"}
+    chat = loaded.prompt_ids("chat", {"messages": [system, user]})
+    assert chat is not None
+    assert (
+        loaded.prompt_ids("responses", {"instructions": "how are", "input": "hello world"}) == chat
+    )
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "hello world"}]}]
+    assert loaded.prompt_ids("responses", {"instructions": "how are", "input": items}) == chat
+    assert loaded.prompt_ids("responses", {"instructions": "", "input": "hello world"}) == (
+        loaded.prompt_ids("chat", {"messages": [user]})
+    )
+    function = {"type": "function", "name": "f", "parameters": {}}
+    assert loaded.prompt_ids("responses", {"input": "hello world", "tools": [function]}) is None
+    output = {"type": "function_call_output", "call_id": "c1", "output": "42"}
+    assert loaded.prompt_ids("responses", {"input": [output]}) is None
 
 
 def _config(pool: dict[str, Any], **endpoint: Any) -> dict[str, Any]:
