@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -105,6 +107,47 @@ def test_a_conversation_continues_on_the_engine_that_stores_it(store_fleet, clie
     assert [after - b for after, b in zip(received(store_fleet), before, strict=True)] == [
         3 * int(i == home) for i in range(2)
     ]
+
+
+def test_a_continuation_waits_for_its_own_engine_not_for_any(store_fleet, start_gateway):
+    """Each endpoint takes one request at a time (`max_inflight: 1`). While the engine that
+    stores a conversation is busy, its next turn waits in the gateway even though the other
+    engine is free (it can run nowhere else), and goes as soon as its engine is free."""
+    config = gateway_config(
+        store_fleet.urls,
+        pool={"models": ["sim-model"], "policy": "round_robin"},
+        auth={"tenants": [tenant("acme", "gold", [ACME_ENTRY], models=["sim-*"])]},
+    )
+    for endpoint in config["pools"][0]["endpoints"]:
+        endpoint["max_inflight"] = 1
+    _, server = start_gateway(config)
+    client = sdk_client(base_url=server.url + "/v1", api_key=ACME_KEY, max_retries=0)
+    first = client.responses.create(model="sim-model", input="Rivers?", max_output_tokens=3)
+    [home] = storing(store_fleet, first.id)
+    store_fleet.engines[home].set_fault({"mode": "slow_first_token", "delay_ms": 1500, "count": 1})
+    before = received(store_fleet)
+    finished: list[str] = []
+
+    def turn(text: str) -> None:
+        client.responses.create(
+            model="sim-model", input=text, max_output_tokens=3, previous_response_id=first.id
+        )
+        finished.append(text)
+
+    with ThreadPoolExecutor(2) as pool:
+        slow = pool.submit(turn, "slow")
+        deadline = time.monotonic() + 10
+        while received(store_fleet)[home] == before[home]:
+            assert time.monotonic() < deadline, "the first turn never reached its engine"
+            time.sleep(0.01)
+        waiting = pool.submit(turn, "waiting")
+        time.sleep(0.5)
+        assert received(store_fleet)[home] == before[home] + 1  # held in the gateway
+        slow.result(timeout=20)
+        waiting.result(timeout=20)
+    assert finished == ["slow", "waiting"]
+    after = received(store_fleet)
+    assert after[home] == before[home] + 2 and after[1 - home] == before[1 - home]
 
 
 def test_with_a_response_id_secret_an_id_made_without_it_reaches_no_engine(

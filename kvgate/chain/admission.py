@@ -112,7 +112,8 @@ class AdmissionController:
         self.check_open()
         reservation = await self._reserve(tenant, intent, output_limit_field(ctx))
         ctx.on_finish(partial(self._settle, reservation))
-        key: QueueKey = (ctx.model, ctx.allowed_jurisdictions)
+        pinned = None if ctx.pinned is None else ctx.pinned.name
+        key: QueueKey = (ctx.model, ctx.allowed_jurisdictions, pinned)
         rank = CLASS_RANK[intent.latency_class]
         below_cap = self._below_cap(tenant)
         if not self.config.enabled:

@@ -11,10 +11,13 @@ from kvgate.types import RequestContext
 class Capacity(Protocol):
     """What admission asks the fleet (routing implements it)."""
 
-    def has_capacity(self, model: str, jurisdictions: frozenset[str] | None) -> bool:
+    def has_capacity(
+        self, model: str, jurisdictions: frozenset[str] | None, pinned: str | None
+    ) -> bool:
         """False only when every routable endpoint that could serve the model (in the
-        jurisdictions, if given) is saturated; True when none could (picking then answers
-        404 or 503)."""
+        jurisdictions, if given) is saturated, or, for a request `pinned` to one endpoint
+        (by name), when that one is; True when none could (picking then answers 404 or
+        503)."""
         ...
 
     def uncached_tokens(self, ctx: RequestContext) -> int:

@@ -33,8 +33,10 @@ from kvgate.types import RequestContext
 
 _sequence = itertools.count()
 
-# Requests wait per (model, allowed jurisdictions): the endpoints that could serve them.
-QueueKey = tuple[str, frozenset[str] | None]
+# Requests wait per (model, allowed jurisdictions, pinned endpoint): the endpoints that could
+# serve them. A Responses continuation can run only on the endpoint storing its conversation
+# (`RequestContext.pinned`, named here); other requests have None there.
+QueueKey = tuple[str, frozenset[str] | None, str | None]
 
 
 @dataclass(eq=False)

@@ -343,9 +343,15 @@ class Fleet:
             and (jurisdictions is None or e.labels.get("jurisdiction") in jurisdictions)
         ]
 
-    def has_capacity(self, model: str, jurisdictions: frozenset[str] | None) -> bool:
-        """False only when every endpoint that could serve `model` is saturated. With no
-        candidate at all the request goes on, and picking answers 404 or 503."""
+    def has_capacity(
+        self, model: str, jurisdictions: frozenset[str] | None, pinned: str | None = None
+    ) -> bool:
+        """False only when every endpoint that could serve `model` is saturated; for a
+        request `pinned` to one endpoint (a Responses continuation), when that endpoint is.
+        With no candidate at all the request goes on, and picking answers 404 or 503."""
+        if pinned is not None:
+            endpoint = self.endpoint(pinned)
+            return endpoint is None or not endpoint.saturated
         candidates = self.serving(model, jurisdictions=jurisdictions)
         return not candidates or any(not e.saturated for e in candidates)
 

@@ -335,9 +335,11 @@ class PoolRouter:
             return ctx.view.prompt_tokens
         return self.pickers[pool].uncached_tokens(ctx)
 
-    def has_capacity(self, model: str, jurisdictions: frozenset[str] | None) -> bool:
+    def has_capacity(
+        self, model: str, jurisdictions: frozenset[str] | None, pinned: str | None
+    ) -> bool:
         """Admission's view of the fleet (`kvgate.chain.admission_ports.Capacity`)."""
-        return self.fleet.has_capacity(model, jurisdictions)
+        return self.fleet.has_capacity(model, jurisdictions, pinned)
 
 
 def build_router(

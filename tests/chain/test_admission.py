@@ -265,7 +265,7 @@ def _waiter(
     return Waiter(
         ctx=ctx,
         tenant=tenant_,
-        key=("m1", None),
+        key=("m1", None, None),
         rank=rank,
         deadline=deadline,
         boost=boost,
@@ -281,7 +281,9 @@ async def test_weighted_fair_between_tenants_of_a_class():
     for i in range(20):
         queue.push(_waiter(loop, "gold", "g", deadline=i))
         queue.push(_waiter(loop, "bronze", "b", deadline=i))
-    served = [queue.pop_next(("m1", None), range(3), lambda t: True).tenant.name for _ in range(10)]
+    served = [
+        queue.pop_next(("m1", None, None), range(3), lambda t: True).tenant.name for _ in range(10)
+    ]
     assert served.count("g") == 8 and served.count("b") == 2  # weights 4 : 1
     assert len(queue) == 30
 
@@ -294,7 +296,7 @@ async def test_edf_within_a_tenant_and_workflow_boost():
     step_five = _waiter(loop, "silver", "t", deadline=30, boost=20)  # effective 10
     for waiter in (late, early, step_five):
         queue.push(waiter)
-    order = [queue.pop_next(("m1", None), range(3), lambda t: True) for _ in range(3)]
+    order = [queue.pop_next(("m1", None, None), range(3), lambda t: True) for _ in range(3)]
     assert order == [step_five, early, late]
 
 
@@ -307,7 +309,7 @@ async def test_shortest_prefill_first_with_aging_and_deadlines():
     urgent = _waiter(loop, "silver", "t", deadline=0.3, enqueued=1.0, prefill=1.0)  # by 0.3
     for waiter in (long, short, late_short, urgent):
         queue.push(waiter)
-    order = [queue.pop_next(("m1", None), range(3), lambda t: True) for _ in range(4)]
+    order = [queue.pop_next(("m1", None, None), range(3), lambda t: True) for _ in range(4)]
     # The tight deadline first; then the short prefill ahead of the long one that came
     # earlier; the long one waited its own prefill time and goes before a later short one.
     assert order == [urgent, short, long, late_short]
@@ -352,8 +354,8 @@ async def test_removed_waiters_are_skipped_and_shed_order():
     assert queue.shed_candidate() is bronze_batch
     assert queue.remove(bronze_batch) and not queue.remove(bronze_batch)
     assert queue.shed_candidate() is gold_batch
-    assert queue.pop_next(("m1", None), range(3), lambda t: True) is bronze_fast
-    assert queue.pop_next(("m1", None), range(3), lambda t: t.name != "g") is None
+    assert queue.pop_next(("m1", None, None), range(3), lambda t: True) is bronze_fast
+    assert queue.pop_next(("m1", None, None), range(3), lambda t: t.name != "g") is None
     assert len(queue) == 1
 
 

@@ -53,3 +53,7 @@ def test_has_capacity_until_every_candidate_is_saturated(waiting, expected):
     )
     assert f.has_capacity("m", None) is expected
     assert f.has_capacity("unknown", None) is True  # picking answers 404 instead
+    # A request pinned to one endpoint (a Responses continuation) waits for that one only.
+    assert f.has_capacity("m", None, "a") is (waiting[0] == 0)
+    assert f.has_capacity("m", None, "b") is (waiting[1] == 0)
+    assert f.has_capacity("m", None, "gone") is True  # picking answers 503 instead
