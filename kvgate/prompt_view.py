@@ -21,9 +21,11 @@ many characters long as `media_tokens` tokens are, so the same media renders the
 estimate counts it as `media_tokens` however many bytes it has, and rules never search it.
 
 The engines' own APIs (rerank, score, classify, pooling, tokenize, detokenize) have their text
-in fields of their own (`ENGINE_TEXT_FIELDS`): rules read it and quotas count it, but it is
-never hashed for prefix routing (those requests leave no conversation to come back to), and
-tokenize and detokenize count no tokens at all: no model runs for them.
+in fields of their own (`ENGINE_TEXT_FIELDS`), as has vLLM's chat form of embeddings
+(`messages` instead of `input`): rules read it and quotas count it, a media part of their
+messages as `media_tokens`, but it is never hashed for prefix routing (those requests leave no
+conversation to come back to), and tokenize and detokenize count no tokens at all: no model
+runs for them.
 """
 
 from __future__ import annotations
@@ -127,35 +129,43 @@ def _content_pieces(content: Any, media_chars: int) -> tuple[list[str], list[str
     return texts, pieces
 
 
-def _content_texts(content: Any) -> list[str]:
-    """A message's content's texts alone (no media marker made)."""
+def _content_texts(content: Any, into: list[str]) -> int:
+    """A message's content's texts into `into` (no media marker made); the number of its
+    media parts."""
     if isinstance(content, str):
-        return [content]
-    if not isinstance(content, list):
-        return []
-    return [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        into.append(content)
+        return 0
+    media = 0
+    for part in content if isinstance(content, list) else ():
+        if not isinstance(part, dict):
+            continue
+        text = part.get("text")
+        if isinstance(text, str):
+            into.append(text)
+        elif any(part.get(key) is not None for key in MEDIA_KEYS):
+            media += 1
+    return media
 
 
-def _texts(value: Any, into: list[str]) -> None:
-    """Every text in `value`: a string, the strings of a list, a message's or a document's
-    `content` or `text`."""
+def _texts(value: Any, into: list[str]) -> int:
+    """Every text in `value` into `into`: a string, the strings of a list, a message's or a
+    document's `content` or `text`; the number of media parts among them."""
     if isinstance(value, str):
         into.append(value)
     elif isinstance(value, list):
-        for item in value:
-            _texts(item, into)
+        return sum(_texts(item, into) for item in value)
     elif isinstance(value, dict):
         if "content" in value:
-            into += _content_texts(value["content"])
-        else:
-            _texts(value.get("text"), into)
+            return _content_texts(value["content"], into)
+        return _texts(value.get("text"), into)
+    return 0
 
 
 class PromptView:
     """The prompt of one request's payload (see the module docstring)."""
 
-    __slots__ = ("_canonical", "_contents", "_pieces", "_text", "_tokens", "chars_per_token",
-                 "media_chars", "payload", "route")  # fmt: skip
+    __slots__ = ("_canonical", "_contents", "_media", "_pieces", "_text", "_tokens",
+                 "chars_per_token", "media_chars", "payload", "route")  # fmt: skip
 
     def __init__(
         self,
@@ -173,6 +183,7 @@ class PromptView:
         self._canonical: str | None = None
         self._text: str | None = None
         self._tokens: int | None = None
+        self._media = 0  # media parts among the contents (the text-only routes)
 
     def _collect(self) -> None:
         """One pass: the canonical text's pieces and the content pieces among them."""
@@ -182,8 +193,9 @@ class PromptView:
         engine_fields = ENGINE_TEXT_FIELDS.get(self.route)
         messages = payload.get("messages") if self.route == "chat" else None
         if engine_fields is not None:
-            for field in engine_fields:
-                _texts(payload.get(field), contents)
+            self._media = sum(_texts(payload.get(field), contents) for field in engine_fields)
+        elif self.route == "embeddings" and "input" not in payload:
+            self._media = _texts(payload.get("messages"), contents)  # vLLM's chat embeddings
         elif self.route == "responses":
             self._collect_items(payload, pieces, contents)
         elif isinstance(messages, list):
@@ -282,9 +294,10 @@ class PromptView:
             if self._pieces is None:
                 self._collect()
             assert self._pieces is not None
-            # Chat: roles and tools are prompt tokens too, so the canonical pieces count.
+            # Chat: roles and tools are prompt tokens too, so the canonical pieces count (a
+            # media part among them as its marker); elsewhere the texts and the media parts.
             pieces = self._pieces if self.route in _RENDERED else self.contents
-            chars = sum(map(len, pieces))
+            chars = sum(map(len, pieces)) + self._media * self.media_chars
             self._tokens = math.ceil(chars / self.chars_per_token) + self.token_ids
         return self._tokens
 

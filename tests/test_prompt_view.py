@@ -141,3 +141,16 @@ def test_a_responses_input_image_counts_as_media():
     text_only = {"model": "m", "input": [{"role": "user", "content": "What is in it?"}]}
     assert view.contents == ["What is in it?"]
     assert view.prompt_tokens == PromptView("responses", text_only, 4.0).prompt_tokens + 1000
+
+
+@pytest.mark.parametrize("route", ["pooling", "classify", "embeddings"])
+def test_media_in_the_messages_of_a_pooling_request_counts_as_media(route):
+    """vLLM's pooling APIs (and its chat form of embeddings) take chat `messages`, images
+    included (multimodal embedding models): an image counts `media_tokens`, its bytes none."""
+    content = [{"type": "text", "text": "abcd"}, {"type": "image_url", "image_url": {"url": IMAGE}}]
+    view = PromptView(
+        route, {"model": "m", "messages": [{"role": "user", "content": content}]}, 4.0
+    )
+    assert view.contents == ["abcd"]
+    assert view.prompt_tokens == 1 + MEDIA_TOKENS
+    assert view.canonical == ""  # never hashed for prefix routing
