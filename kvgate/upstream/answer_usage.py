@@ -107,6 +107,11 @@ def _decoded(body: bytes) -> tuple[dict[str, Any] | None, str | None]:
         parsed = orjson.loads(body)
     except orjson.JSONDecodeError:
         return None, None
+    return parsed_usage(parsed)
+
+
+def parsed_usage(parsed: Any) -> tuple[dict[str, Any] | None, str | None]:
+    """`answer_usage` of an answer already decoded (`parsed`, any JSON value)."""
     if not isinstance(parsed, dict):
         return None, None
     usage = parsed.get("usage")

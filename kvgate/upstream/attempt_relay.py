@@ -18,6 +18,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 
@@ -33,7 +34,7 @@ from kvgate.errors import (
 from kvgate.request_options import ENDPOINT, REQUEST_ID
 from kvgate.routing.endpoints import Endpoint
 from kvgate.types import Headers, RequestContext
-from kvgate.upstream.answer_usage import answer_usage
+from kvgate.upstream.answer_usage import answer_usage, parsed_usage
 from kvgate.upstream.attempts import judge
 from kvgate.upstream.failures import Phase, attempt_failure
 from kvgate.upstream.headers import upstream_headers
@@ -198,15 +199,18 @@ class AttemptRelay:
                 "the engine's answer is not a complete JSON object",
                 code="upstream_malformed_body",
             )
+        parsed: Any = None
         if request.ids is not None:
-            body = request.ids.body(body)
+            body, parsed = request.ids.body(body)
         ctx.status = status
         ctx.responded = True
         try:
             await send_bytes(send, status, body, content_type.encode(), _response_headers(ctx))
         finally:  # the answer does not wait for the accounting; a client gone still pays
             if ctx.response_id is None:  # a stored response's usage counted when it was made
-                ctx.usage, ctx.response_model = answer_usage(body)
+                ctx.usage, ctx.response_model = (
+                    answer_usage(body) if parsed is None else parsed_usage(parsed)
+                )
 
     async def _whole_answer(self, request: _Request, deadline: float) -> tuple[int, str, bytes]:
         """The engine's status, content type and whole body, all by `deadline` (one deadline

@@ -51,11 +51,14 @@ class ResponseIdRewriter:
         for engine_id, given in ids.named.items():
             self._add(engine_id, given)
 
-    def body(self, body: bytes) -> bytes:
-        """A whole answer (a response object), rewritten."""
+    def body(self, body: bytes) -> tuple[bytes, Any]:
+        """A whole answer (a response object), rewritten, and the answer as decoded (None
+        when it is not JSON): its usage is read from that, not decoded again."""
+        parsed = None
         with contextlib.suppress(orjson.JSONDecodeError):
-            self._learn(orjson.loads(body))
-        return self._rewritten(body, final=True)[0]
+            parsed = orjson.loads(body)
+            self._learn(parsed)
+        return self._rewritten(body, final=True)[0], parsed
 
     def events(self, chunk: bytes) -> bytes:
         """The next bytes of a stream, rewritten (some may be held back until the next)."""

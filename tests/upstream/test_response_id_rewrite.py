@@ -43,7 +43,8 @@ EXPECTED = (
 
 def test_a_whole_answer_gets_the_clients_ids_and_nothing_else_changes():
     answer = orjson.dumps({**response("completed"), "output": [{"id": "msg_1", "text": "hi"}]})
-    rewritten = ResponseIdRewriter(ResponseIds("acme"), URL).body(answer)
+    rewritten, parsed = ResponseIdRewriter(ResponseIds("acme"), URL).body(answer)
+    assert parsed == orjson.loads(answer)  # decoded once: settlement reads its usage there
     assert orjson.loads(rewritten) == {
         **response("completed"),
         "id": CLIENT_NEW,
