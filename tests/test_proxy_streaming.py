@@ -96,14 +96,17 @@ def test_failure_after_commit_ends_stream_with_error_event_not_done(upstream, ga
     _wait_for(lambda: app.fleet.endpoints[0].inflight == 0)
 
 
+@pytest.mark.parametrize("one_write", [False, True])
 def test_an_engine_error_event_mid_stream_reaches_the_client_in_openai_shape_and_ends_it(
-    upstream, gateway
+    upstream, gateway, one_write
 ):
     """vLLM streams its own vocabulary (`BadRequestError`, the status as an integer code) and
-    a `[DONE]` after it; the client gets OpenAI's shape as the stream's last event."""
+    a `[DONE]` after it; the client gets OpenAI's shape as the stream's last event. Whether
+    the events before the error arrive apart from it (the stream committed first) or in the
+    same read: the error is not the answer, and they are not lost."""
     engine, _ = upstream
-    # Apart: the first event is relayed (the stream committed) before the error arrives.
-    engine.script.chunks, engine.script.error_event_after, engine.script.gap = 5, 2, 0.05
+    engine.script.chunks, engine.script.error_event_after = 5, 2
+    engine.script.gap, engine.script.one_write = (0.0, True) if one_write else (0.05, False)
     app, server = gateway
     response = httpx.post(server.url + "/v1/chat/completions", json=CHAT)
     assert response.status_code == 200

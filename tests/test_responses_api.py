@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import httpx
 import openai
+import orjson
 import pytest
 
 from kvgate.sim import EngineOptions, SimFleet
@@ -83,6 +84,32 @@ def test_a_responses_stream_that_breaks_ends_with_the_responses_error_event(star
     assert last.code == "upstream_connection_lost" and last.message
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert [e.type for e in events].count("response.output_text.delta") == 3
+
+
+def test_an_engines_responses_error_event_ends_the_stream_once(upstream, start_gateway):
+    """An engine's own `error` event ends a Responses stream, as at OpenAI: the client gets it
+    (in OpenAI's shape) as the last event, not followed by a second error saying that the
+    engine closed the stream unfinished."""
+    engine, engine_server = upstream
+    created = {"type": "response.created", "sequence_number": 0, "response": {"id": "resp_1"}}
+    failed = {"type": "error", "code": "server_error", "message": "engine blew up", "param": None}
+    engine.script.stream_body = (
+        b"event: response.created\ndata: " + orjson.dumps(created) + b"\n\n"
+        b"event: error\ndata: " + orjson.dumps({**failed, "sequence_number": 1}) + b"\n\n"
+    )
+    _, server = start_gateway(
+        gateway_config(
+            [engine_server.url],
+            pool={"engine": "openai", "models": ["m1"], "responses": True},
+            auth="none",
+        )
+    )
+    client = sdk_client(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    events = list(client.responses.create(model="m1", input="hi", stream=True))
+    assert [e.type for e in events] == ["response.created", "error"]
+    assert events[-1].message == "engine blew up"
+    assert [e.sequence_number for e in events] == [0, 1]
+    assert len(engine.inference_requests) == 1
 
 
 def test_responses_is_404_where_the_pool_does_not_serve_it(upstream, start_gateway):

@@ -37,6 +37,8 @@ def test_comment_alone_is_not_an_event():
     [
         b'data: {"error": {"message": "boom", "type": "x", "param": null, "code": 500}}\r\n\r\n',
         b'data: {"object": "error", "message": "boom", "code": 500}\n\n',
+        b'event: error\ndata: {"type": "error", "code": "server_error", "message": "boom", '
+        b'"param": null, "sequence_number": 3}\n\n',
     ],
 )
 def test_error_events_in_either_shape_terminate(event):

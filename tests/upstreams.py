@@ -33,6 +33,10 @@ class Script:
     error_event_after: int | None = None
     # Bytes of content each streamed chunk carries besides its token (a large event).
     padding: int = 0
+    # Send the whole stream in one write, so that the gateway reads its events together.
+    one_write: bool = False
+    # A stream's bytes, sent as they are in one write, instead of built chunks.
+    stream_body: bytes | None = None
 
 
 @dataclass
@@ -130,13 +134,24 @@ class ScriptedUpstream:
                 "headers": [(b"content-type", script.content_type), *script.extra_headers],
             }
         )
+        if script.stream_body is not None:
+            await send({"type": "http.response.body", "body": script.stream_body})
+            return
+        written: list[bytes] = []
+
+        async def write(body: bytes) -> None:
+            if script.one_write:
+                written.append(body)
+            else:
+                await send({"type": "http.response.body", "more_body": True, "body": body})
+
         for i in range(script.chunks):
             if script.close_after_chunks is not None and i == script.close_after_chunks:
                 raise RuntimeError("scripted mid-stream crash")
             if i and script.gap:
                 await asyncio.sleep(script.gap)
             if i == script.error_event_after:
-                await send({"type": "http.response.body", "more_body": True, "body": _VLLM_ERROR})
+                await write(_VLLM_ERROR)
                 break
             chunk = {
                 "id": "cmpl-1",
@@ -151,13 +166,7 @@ class ScriptedUpstream:
                     }
                 ],
             }
-            await send(
-                {
-                    "type": "http.response.body",
-                    "more_body": True,
-                    "body": b"data: " + orjson.dumps(chunk) + b"\n\n",
-                }
-            )
+            await write(b"data: " + orjson.dumps(chunk) + b"\n\n")
         if (payload.get("stream_options") or {}).get("include_usage"):
             usage = {
                 "id": "cmpl-1",
@@ -171,14 +180,8 @@ class ScriptedUpstream:
                     "total_tokens": 5 + script.chunks,
                 },
             }
-            await send(
-                {
-                    "type": "http.response.body",
-                    "more_body": True,
-                    "body": b"data: " + orjson.dumps(usage) + b"\n\n",
-                }
-            )
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+            await write(b"data: " + orjson.dumps(usage) + b"\n\n")
+        await send({"type": "http.response.body", "body": b"".join(written) + b"data: [DONE]\n\n"})
 
 
 def _completion(payload: dict[str, Any]) -> dict[str, Any]:

@@ -282,7 +282,11 @@ class AttemptRelay:
                                 f"no event in the first {MAX_EVENT_BYTES // 2**20} MiB of the "
                                 "stream"
                             )
-                    if scanner.error is not None and not ctx.committed:
+                    # An error as the stream's first event is the answer (an HTTP error, which
+                    # may be retried); after other events, which this read may have brought
+                    # with it, it ends the stream they begin.
+                    error_first = scanner.error is not None and scanner.data_events == 1
+                    if error_first and not ctx.committed:
                         raise _event_error(scanner.error, request.prompt_param)
                     first = b"".join(pending)
                     if transcript is not None:
@@ -350,7 +354,8 @@ class AttemptRelay:
                     if request.ids is not None:
                         event_error.message = request.ids.text(event_error.message)
                     record.failed(judge(event_error))
-                    last = event_error.to_stream_event(ctx.route, ctx.relayed_events)
+                    # In the place of the engine's event, which the count includes.
+                    last = event_error.to_stream_event(ctx.route, ctx.relayed_events - 1)
                 ctx.responded = True
                 await send({"type": "http.response.body", "body": last, "more_body": False})
                 return

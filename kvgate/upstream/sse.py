@@ -2,8 +2,9 @@
 
 It never changes or re-serialises the bytes: it only finds event boundaries so the relay knows
 when the first event arrived, whether the stream ended with `[DONE]` (or a Responses stream's
-last event) or an error event, and what usage the engine reported. Only events that may carry
-usage, an error or the end of a Responses stream are JSON-parsed.
+last event) or an error event (vLLM's two shapes, and a Responses stream's `error` event,
+which ends such a stream at OpenAI), and what usage the engine reported. Only events that may
+carry usage, an error or the end of a Responses stream are JSON-parsed.
 
 `feed` returns the bytes of the events it completed, so the relay forwards whole events only:
 a stream that breaks mid-event never leaves half an event before the error event.
@@ -53,6 +54,11 @@ _WORTH_READING = re.compile(
     + b"|".join(re.escape(name.encode()) for name in sorted(_RESPONSES_LAST_EVENTS))
     + rb')"|"usage"\s*:\s*[^n\s]'
 )
+
+
+# What a Responses stream's `error` event says of its error (besides its `type` and
+# `sequence_number`, which name the event).
+_ERROR_FIELDS = ("message", "code", "param")
 
 
 class SseProtocolError(Exception):
@@ -216,6 +222,8 @@ class SseScanner:
             self.error = error
         elif parsed.get("object") == "error":
             self.error = parsed
+        elif parsed.get("type") == "error":  # a Responses stream's `error` event
+            self.error = {key: parsed[key] for key in _ERROR_FIELDS if key in parsed}
         usage = parsed.get("usage")
         if isinstance(usage, dict):
             self.usage = usage
