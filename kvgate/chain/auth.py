@@ -91,8 +91,10 @@ class Authenticator:
 
 class AuthStage:
     """Sets `ctx.tenant` and `ctx.key_id`; for tenants with cache isolation, overwrites the
-    body's `cache_salt` with the tenant's salt (re-serialising the payload once into
-    `ctx.body`) and sets `ctx.cache_salt` for the prefix index."""
+    body's `cache_salt` with the tenant's salt and sets `ctx.cache_salt` for the prefix index;
+    raises a negative vLLM `priority` (ahead of every request that sets none, other tenants'
+    included, on an engine that schedules by priority) to 0. Either re-serialises the payload
+    once into `ctx.body`."""
 
     def __init__(self, directory: TenantDirectory) -> None:
         self.directory = directory
@@ -120,10 +122,17 @@ class AuthStage:
                 param="model",
                 code="model_not_allowed",
             )
+        changed = False
         if tenant.cache_salt is not None and ctx.route in _SALTED_ROUTES:
             ctx.payload["cache_salt"] = tenant.cache_salt
-            ctx.body = orjson.dumps(ctx.payload)
             ctx.cache_salt = tenant.cache_salt
+            changed = True
+        priority = ctx.payload.get("priority")
+        if type(priority) is int and priority < 0:
+            ctx.payload["priority"] = 0  # no more urgent than a request that sets none
+            changed = True
+        if changed:
+            ctx.body = orjson.dumps(ctx.payload)
 
     def _operator(self, admin_key: bytes | None) -> bool:
         """Whether the request may see routing explanations: on an open gateway anyone may;

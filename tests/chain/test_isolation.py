@@ -62,6 +62,20 @@ def test_client_cache_salt_is_overwritten_and_headers_do_not_travel(upstream, st
     assert received.body["messages"] == [{"role": "user", "content": "hi"}]
 
 
+def test_a_tenant_cannot_put_its_requests_ahead_with_the_engines_priority(upstream, start_gateway):
+    """vLLM's `priority` (lower runs first, on an engine scheduling by priority) is the
+    client's to lower, not to raise above a request that sets none; an open gateway has no
+    tenants to keep apart and passes it on."""
+    engine, up = upstream
+    _, server = start_gateway(_config(up.url))
+    for given in (-100, 5, 0):
+        assert chat(server.url, BRONZE, priority=given).status_code == 200
+    assert [r.body["priority"] for r in engine.inference_requests] == [0, 5, 0]
+    _, open_server = start_gateway(gateway_config([up.url], pool={"models": ["m1"]}))
+    chat(open_server.url, None, priority=-100)
+    assert engine.inference_requests[-1].body["priority"] == -100
+
+
 def test_salts_differ_per_tenant_and_shared_tenants_keep_their_body(upstream, start_gateway):
     engine, up = upstream
     _, server = start_gateway(_config(up.url))
