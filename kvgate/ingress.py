@@ -20,7 +20,7 @@ from kvgate.asgi import Receive, Scope
 from kvgate.errors import InvalidRequest, PayloadTooLarge, RequestTimeout
 from kvgate.message_schema import check_message
 from kvgate.prompt_view import MEDIA_TOKENS, PromptView
-from kvgate.request_options import RequestOptions, parse_request_options
+from kvgate.request_options import RequestOptions, parse_request_options, sane_request_id
 from kvgate.types import Headers, RequestContext
 
 INFERENCE_ROUTES: dict[str, str] = {
@@ -298,8 +298,15 @@ def request_context(
     headers = headers or []
     if options is None:
         options = parse_request_options(headers)
+    request_id = options.request_id
+    if not options.request_id_given:
+        # vLLM names a request by the X-Request-Id header, else by the body's `request_id`:
+        # the gateway's header must carry the body's, or the engine would drop it.
+        given = payload.get("request_id")
+        if sane_request_id(given):
+            request_id = given
     return RequestContext(
-        request_id=options.request_id,
+        request_id=request_id,
         route=route,
         upstream_path=upstream_path or _PATHS[route],
         client_headers=headers,

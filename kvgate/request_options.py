@@ -19,6 +19,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
+from typing import TypeGuard
 
 from kvgate.errors import InvalidRequest
 from kvgate.types import Headers, header_value
@@ -60,6 +61,7 @@ class RequestOptions:
     """What the client asked for by header; None where it asked for nothing. Seconds."""
 
     request_id: str
+    request_id_given: bool = False  # the client's X-Request-Id, not a fresh one
     total_timeout: float | None = None
     first_token_timeout: float | None = None
     deadline: float | None = None
@@ -71,6 +73,12 @@ class RequestOptions:
 
 def fresh_request_id() -> str:
     return os.urandom(16).hex()  # 128 random bits, as uuid4().hex but without the UUID object
+
+
+def sane_request_id(value: object) -> TypeGuard[str]:
+    """Whether `value` may be sent on as an X-Request-Id (a string of at most 128 letters,
+    digits and `._:-`)."""
+    return isinstance(value, str) and _REQUEST_ID.fullmatch(value.encode()) is not None
 
 
 def request_id_from(headers: Headers) -> str:
@@ -91,12 +99,10 @@ def parse_request_options(headers: Headers) -> RequestOptions:
         return RequestOptions(fresh_request_id())
     raw_id = found.get(REQUEST_ID)
     admin_key = found.get(ADMIN_KEY)
+    given = raw_id is not None and _REQUEST_ID.fullmatch(raw_id) is not None
     return RequestOptions(
-        request_id=(
-            raw_id.decode()
-            if raw_id is not None and _REQUEST_ID.fullmatch(raw_id)
-            else fresh_request_id()
-        ),
+        request_id=raw_id.decode() if given and raw_id is not None else fresh_request_id(),
+        request_id_given=given,
         total_timeout=_milliseconds(found, TOTAL_TIMEOUT),
         first_token_timeout=_milliseconds(found, FIRST_TOKEN_TIMEOUT),
         deadline=_deadline(found.get(DEADLINE)),

@@ -75,6 +75,26 @@ def test_client_request_id_is_kept_and_returned(upstream, gateway):
     assert response.headers["x-kvgate-endpoint"] == "default-0"
 
 
+def test_a_body_request_id_names_the_request_when_no_header_does(upstream, gateway):
+    """vLLM takes the X-Request-Id header over the body's `request_id` (its extension): the
+    header the gateway sends carries the body's, so the engine keeps the client's id."""
+    engine, _ = upstream
+    _, server = gateway
+    url = server.url + "/v1/chat/completions"
+    named = httpx.post(url, json={**CHAT, "request_id": "client-7"})
+    assert named.headers["x-request-id"] == "client-7"
+    assert engine.inference_requests[-1].headers["x-request-id"] == "client-7"
+    both = httpx.post(url, json={**CHAT, "request_id": "body-8"}, headers={"x-request-id": "h-8"})
+    assert (
+        engine.inference_requests[-1].headers["x-request-id"]
+        == "h-8"
+        == both.headers["x-request-id"]
+    )
+    unfit = httpx.post(url, json={**CHAT, "request_id": "has spaces\n"})
+    assert unfit.headers["x-request-id"] != "has spaces\n"
+    assert engine.inference_requests[-1].body["request_id"] == "has spaces\n"
+
+
 def test_every_answer_carries_a_request_id_and_engine_errors_name_the_engine(upstream, gateway):
     engine, _ = upstream
     _, server = gateway

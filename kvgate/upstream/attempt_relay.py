@@ -285,9 +285,9 @@ class AttemptRelay:
                     # An error as the stream's first event is the answer (an HTTP error, which
                     # may be retried); after other events, which this read may have brought
                     # with it, it ends the stream they begin.
-                    error_first = scanner.error is not None and scanner.data_events == 1
-                    if error_first and not ctx.committed:
-                        raise _event_error(scanner.error, request.prompt_param)
+                    engine_error = scanner.error
+                    if engine_error is not None and scanner.data_events == 1 and not ctx.committed:
+                        raise _event_error(engine_error, request.prompt_param)
                     first = b"".join(pending)
                     if transcript is not None:
                         first = transcript.shape(first)
