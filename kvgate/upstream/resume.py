@@ -33,6 +33,18 @@ from kvgate.types import RequestContext
 from kvgate.upstream.sse import SseProtocolError, event_data, split_events
 
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # vLLM's (and OpenAI's) default for /v1/completions
+# Output a grammar constrains (structured outputs: vLLM's fields, older and newer, and
+# SGLang's): a continuation would start the grammar over, in the middle of the output.
+_CONSTRAINED = (
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+    "regex",
+    "json_schema",
+    "ebnf",
+)
 
 
 def resume_eligible(ctx: RequestContext) -> bool:
@@ -55,6 +67,11 @@ def resume_eligible(ctx: RequestContext) -> bool:
         return False
     options = payload.get("stream_options")
     if isinstance(options, dict) and options.get("continuous_usage_stats"):
+        return False
+    form = payload.get("response_format")
+    if isinstance(form, dict) and form.get("type", "text") != "text":
+        return False
+    if any(payload.get(k) is not None for k in _CONSTRAINED):
         return False
     if ctx.route == "chat":
         return isinstance(payload.get("messages"), list)

@@ -401,6 +401,13 @@ def test_config_cross_checks_resilience():
         ({"logprobs": True}, False),
         ({"continue_final_message": True}, False),
         ({"stream_options": {"continuous_usage_stats": True}}, False),
+        # Structured outputs: a continuation would start the grammar over mid-output.
+        ({"response_format": {"type": "text"}}, True),
+        ({"response_format": {"type": "json_object"}}, False),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, False),
+        ({"guided_json": {"type": "object"}}, False),
+        ({"guided_choice": ["yes", "no"]}, False),
+        ({"structured_outputs": {"regex": "[a-z]+"}}, False),
     ],
 )
 def test_resume_eligibility(extra, eligible):
