@@ -277,6 +277,26 @@ PROMPT_PARAMS = {
 _COMPLETION_LIMIT = re.compile(r"max_completion_tokens|max_tokens|max_output_tokens")
 
 
+def _validation_detail(detail: list[Any]) -> tuple[str, str | None] | None:
+    """A FastAPI validation error's `detail` (a list of `{loc, msg}`), as one message and the
+    body field of its first problem (None when it is not that shape)."""
+    problems: list[str] = []
+    fields: list[str] = []
+    for item in detail:
+        if not isinstance(item, dict) or not isinstance(item.get("msg"), str):
+            return None
+        loc = item.get("loc")
+        where = [str(part) for part in loc] if isinstance(loc, list) else []
+        if where[:1] == ["body"]:
+            where = where[1:]
+        field = ".".join(where)
+        fields.append(field)
+        problems.append(f"{field}: {item['msg']}" if field else item["msg"])
+    if not problems:
+        return None
+    return "; ".join(problems), fields[0] or None
+
+
 def upstream_error_from_body(
     status: int, body: bytes, retry_after: float | None = None, prompt_param: str = "messages"
 ) -> UpstreamError:
@@ -301,6 +321,8 @@ def upstream_error_from_body(
             message = obj["message"]
         elif isinstance(parsed.get("detail"), str):
             message = parsed["detail"]
+        elif isinstance(parsed.get("detail"), list):
+            message, param = _validation_detail(parsed["detail"]) or (message, None)
         kind = obj.get("type")
         if isinstance(kind, str) and kind in _OPENAI_TYPES:
             error_type = kind

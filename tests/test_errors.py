@@ -112,6 +112,19 @@ def test_engine_errors_in_openai_vocabulary(status, body, wire_type, code):
     assert (error["type"], error["code"]) == (wire_type, code)
 
 
+def test_a_validation_error_of_a_fastapi_server_keeps_its_reasons():
+    """A FastAPI server's 422 (`detail`: a list of `{loc, msg}`) says what was wrong and where."""
+    detail = [
+        {"type": "missing", "loc": ["body", "messages", 0, "content"], "msg": "Field required"},
+        {"type": "int_parsing", "loc": ["body", "n"], "msg": "Input should be an integer"},
+    ]
+    error = _wire(upstream_error_from_body(422, orjson.dumps({"detail": detail})))
+    assert error["message"] == ("messages.0.content: Field required; n: Input should be an integer")
+    assert (error["param"], error["type"]) == ("messages.0.content", "invalid_request_error")
+    odd = _wire(upstream_error_from_body(422, orjson.dumps({"detail": [1, 2]})))
+    assert odd["message"] == "upstream returned HTTP 422"
+
+
 def test_a_non_json_engine_error_keeps_its_text_and_a_null_code():
     error = _wire(upstream_error_from_body(502, b"<html>Bad Gateway</html>"))
     assert "Bad Gateway" in error["message"]
