@@ -166,7 +166,7 @@ def _check_common(payload: dict[str, Any]) -> bool:
             raise InvalidRequest(
                 "'stream_options' must be an object", param="stream_options", code="invalid_type"
             )
-        if not stream:
+        if options and not stream:  # vLLM lets an empty one pass
             raise InvalidRequest(
                 "'stream_options' is only allowed when 'stream' is true", param="stream_options"
             )

@@ -147,6 +147,12 @@ def test_invalid_bodies_are_400_naming_the_field(upstream, gateway, path, body, 
                 ],
             },
         ),
+        # Empty `stream_options` without streaming: vLLM refuses only options that say
+        # something.
+        (
+            CHAT_URL,
+            {"model": "m1", "messages": [{"role": "user", "content": "x"}], "stream_options": {}},
+        ),
         # A media part without `type`: vLLM takes the type from its key.
         (
             CHAT_URL,
