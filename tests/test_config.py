@@ -205,6 +205,31 @@ def test_cross_checks_duplicates(tmp_path):
     )
 
 
+def test_two_keys_with_one_secret_are_refused(tmp_path):
+    """Keys are found by their digest: two with one would leave one of them working as the
+    other (a tenant's secret opening the admin routes), so the config is refused."""
+    digest = "b1" * 32
+    problems = _problems(
+        tmp_path,
+        f"""\
+        auth:
+          tenants:
+            - name: acme
+              keys: [{{id: a1, sha256: "{digest}"}}]
+            - name: other
+              keys: [{{id: o1, sha256: "{digest.upper()}"}}]
+          admin_keys:
+            - {{id: ad1, sha256: "{digest}"}}
+        pools:
+          - name: a
+            endpoints: [{{url: "http://h:1"}}]
+        """,
+    )
+    same = "the same secret as auth.tenants[0].keys[0] (every key needs its own)"
+    assert f"auth.tenants[1].keys[0].sha256: {same}" in problems
+    assert f"auth.admin_keys[0].sha256: {same}" in problems
+
+
 def test_invalid_yaml_names_the_line(tmp_path):
     problems = _problems(tmp_path, "pools: [\n  - name: a\n")
     assert problems[0].startswith("line ")

@@ -222,7 +222,8 @@ class AdmissionConfig(_Strict):
 
 
 def cross_check_chain(auth: AuthConfig | None, tiers: dict[str, TierConfig]) -> list[str]:
-    """Problems between sections: unknown tiers, duplicate tenants and key ids."""
+    """Problems between sections: unknown tiers, duplicate tenants, key ids and key digests
+    (two keys with one secret: the last would take the other's place, tenant or admin)."""
     problems: list[str] = []
     if auth is None:
         return problems
@@ -231,6 +232,19 @@ def cross_check_chain(auth: AuthConfig | None, tiers: dict[str, TierConfig]) -> 
     known_tiers = {**DEFAULT_TIERS, **tiers}
     tenants: set[str] = set()
     key_ids: dict[str, str] = {}
+    digests: dict[str, str] = {}
+
+    def check_key(where: str, key: KeyConfig) -> None:
+        if key.id in key_ids:
+            problems.append(f"{where}.id: duplicate key id, already in {key_ids[key.id]}")
+        key_ids[key.id] = where
+        digest = key.sha256.lower()
+        if digest in digests:
+            problems.append(
+                f"{where}.sha256: the same secret as {digests[digest]} (every key needs its own)"
+            )
+        digests.setdefault(digest, where)
+
     for i, tenant in enumerate(auth.tenants):
         where = f"auth.tenants[{i}]"
         if tenant.name in tenants:
@@ -241,14 +255,8 @@ def cross_check_chain(auth: AuthConfig | None, tiers: dict[str, TierConfig]) -> 
                 f"{where}.tier: unknown tier '{tenant.tier}' "
                 f"(one of: {', '.join(sorted(known_tiers))})"
             )
-        keys = [(f"{where}.keys[{j}]", k) for j, k in enumerate(tenant.keys)]
-        for key_where, key in keys:
-            if key.id in key_ids:
-                problems.append(f"{key_where}.id: duplicate key id, already in {key_ids[key.id]}")
-            key_ids[key.id] = key_where
+        for j, key in enumerate(tenant.keys):
+            check_key(f"{where}.keys[{j}]", key)
     for j, key in enumerate(auth.admin_keys):
-        where = f"auth.admin_keys[{j}]"
-        if key.id in key_ids:
-            problems.append(f"{where}.id: duplicate key id, already in {key_ids[key.id]}")
-        key_ids[key.id] = where
+        check_key(f"auth.admin_keys[{j}]", key)
     return problems
