@@ -76,6 +76,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     config, _ = loaded
     host = args.host or config.server.host
     port = args.port if args.port is not None else config.server.port
+    if config.server.admin_port == port != 0:
+        print(f"kvgate serve: port {port} is server.admin_port too", file=sys.stderr)
+        return 1
     logging.config.dictConfig(logging_config(args.log_level, args.log_format))
     options = uvicorn_options(
         host,

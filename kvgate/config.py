@@ -107,6 +107,15 @@ class ServerConfig(_Strict):
     # Cross-origin requests from browsers: none answered unless configured.
     cors: CorsConfig | None = None
 
+    @model_validator(mode="after")
+    def _two_ports(self) -> ServerConfig:
+        if self.admin_port is not None and self.admin_port == self.port != 0:
+            raise ValueError(
+                f"admin_port {self.admin_port} is the port requests are served on; the admin "
+                "listener needs a port of its own"
+            )
+        return self
+
 
 class TierTimeouts(_Strict):
     """Overrides of `timeouts` for one tenant tier; unset keys keep the global value."""

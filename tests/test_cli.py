@@ -99,6 +99,26 @@ def test_serve_rejects_a_broken_config_without_starting(tmp_path: Path):
     assert "pools" in result.stderr
 
 
+def test_the_admin_port_must_not_be_the_served_port(tmp_path: Path):
+    """check-config refuses it (serve then failed with a bare bind error), and so does serve
+    when `--port` makes them one."""
+    config = tmp_path / "ports.yaml"
+    pools = "pools:\n  - name: a\n    endpoints: [{url: 'http://h:1'}]\n"
+    config.write_text("server: {port: 19390, admin_port: 19390}\n" + pools)
+    checked = subprocess.run([*KVGATE, "check-config", str(config)], capture_output=True, text=True)
+    assert checked.returncode == 1
+    assert "admin_port 19390 is the port requests are served on" in checked.stderr
+    config.write_text("server: {port: 19391, admin_port: 19390}\n" + pools)
+    served = subprocess.run(
+        [*KVGATE, "serve", "--config", str(config), "--port", "19390"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert served.returncode == 1
+    assert "port 19390 is server.admin_port too" in served.stderr
+
+
 @pytest.mark.timeout(90)
 def test_demo_streams_a_chat_completion_to_the_openai_sdk():
     port = _free_port()
