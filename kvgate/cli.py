@@ -12,10 +12,11 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import orjson
 import uvicorn
 
 from kvgate import __version__
-from kvgate.config import Config, ConfigError, load_config
+from kvgate.config import Config, ConfigError, load_config, server_in_effect
 from kvgate.demo import run_demo
 from kvgate.http_server import use_header_timeout
 from kvgate.observability.log_format import LOG_FORMATS, logging_config
@@ -67,7 +68,7 @@ def _print_problems(exc: ConfigError) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from kvgate.hot_reload import CONFIG_ENV, ReloadableGateway
+    from kvgate.hot_reload import CONFIG_ENV, SERVER_IN_EFFECT_ENV, ReloadableGateway
     from kvgate.observability.metrics import MULTIPROCESS_DIR
 
     loaded = _loaded(args.config)
@@ -79,6 +80,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if config.server.admin_port == port != 0:
         print(f"kvgate serve: port {port} is server.admin_port too", file=sys.stderr)
         return 1
+    in_effect = {**server_in_effect(config), "host": host, "port": port}
     logging.config.dictConfig(logging_config(args.log_level, args.log_format))
     options = uvicorn_options(
         host,
@@ -108,6 +110,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             )
             return 1
         os.environ[CONFIG_ENV] = str(Path(args.config).resolve())
+        os.environ[SERVER_IN_EFFECT_ENV] = orjson.dumps(in_effect).decode()
         # The workers keep their metric values in files here and every scrape sums them; a
         # fresh directory per run, so a restarted gateway starts its counters from zero.
         with tempfile.TemporaryDirectory(prefix="kvgate-metrics-") as metrics_dir:
@@ -122,7 +125,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             )
         return 0
     try:
-        app = ReloadableGateway(args.config)
+        app = ReloadableGateway(args.config, in_effect=in_effect)
     except ConfigError as exc:  # the OTEL_* variables are read only when the app is built
         _print_problems(exc)
         return 1

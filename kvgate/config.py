@@ -349,6 +349,34 @@ class Config(_Strict):
         return None if self._source.startswith("<") else Path(self._source).parent
 
 
+# `server` keys read when the process starts (its listeners, their timeouts, the drain): a
+# reload cannot change them.
+START_ONLY_SERVER_KEYS = (
+    "host",
+    "port",
+    "admin_port",
+    "header_timeout",
+    "keepalive_timeout",
+    "drain_seconds",
+)
+
+
+def server_in_effect(config: Config) -> dict[str, Any]:
+    """The start-only `server` values of `config`."""
+    return {key: getattr(config.server, key) for key in START_ONLY_SERVER_KEYS}
+
+
+def with_server_in_effect(config: Config, in_effect: dict[str, Any]) -> tuple[Config, list[str]]:
+    """`config` with the start-only `server` values the process runs with (flags and
+    environment variables may have overridden the file's), and the keys whose value in
+    `config` differs from them."""
+    differ = [key for key, value in in_effect.items() if getattr(config.server, key) != value]
+    if not differ:
+        return config, []
+    server = config.server.model_copy(update={key: in_effect[key] for key in differ})
+    return config.model_copy(update={"server": server}), differ
+
+
 class ConfigError(Exception):
     """One or more problems in a config file; `problems` lists `key.path: reason` lines.
     `parsed`: the config as read when every key was valid and only checks across sections

@@ -32,7 +32,7 @@ from uvicorn.config import STARTUP_FAILURE
 
 from kvgate.app import GatewayApp
 from kvgate.asgi import JSON, Receive, Scope, Send, send_bytes, send_error
-from kvgate.config import ConfigError, load_config
+from kvgate.config import ConfigError, load_config, server_in_effect, with_server_in_effect
 from kvgate.errors import KvgateError, MethodNotAllowed
 from kvgate.http_server import use_header_timeout
 from kvgate.reload_carryover import carry_over
@@ -42,6 +42,8 @@ from kvgate.routing.policy_catalog import load_policies
 log = logging.getLogger("kvgate")
 
 CONFIG_ENV = "KVGATE_CONFIG"
+# The start-only `server` values a `--workers N` supervisor serves with, for its workers (JSON).
+SERVER_IN_EFFECT_ENV = "KVGATE_SERVER_IN_EFFECT"
 RELOAD_ROUTE = "/admin/reload"
 
 
@@ -50,12 +52,21 @@ class ReloadableGateway:
 
     `supervised` is for a worker of `kvgate serve --workers N`: there `POST /admin/reload`
     checks the file and asks the supervising process (SIGHUP to the parent) to replace every
-    worker in turn, since one worker cannot reload its siblings."""
+    worker in turn, since one worker cannot reload its siblings.
 
-    def __init__(self, path: Path, supervised: bool = False) -> None:
+    `in_effect`: the start-only `server` values the process serves with (`kvgate serve`'s,
+    after its flags and environment variables; by default the file's). Every config this
+    process serves carries them, so `/admin/config` says what is in effect, and a reload that
+    changes them says they wait for a restart."""
+
+    def __init__(
+        self, path: Path, supervised: bool = False, in_effect: dict[str, Any] | None = None
+    ) -> None:
         self.path = path
         self.supervised = supervised
-        self.current = GatewayApp(load_config(path))
+        config = load_config(path)
+        self.in_effect = server_in_effect(config) if in_effect is None else in_effect
+        self.current = GatewayApp(with_server_in_effect(config, self.in_effect)[0])
         self.current.fleet.earlier_inflight = self._earlier_inflight
         # Read at start, as the server's own grace is (docs/config.md).
         self.drain_seconds = self.current.config.server.drain_seconds
@@ -96,11 +107,18 @@ class ReloadableGateway:
         requests, else the problems found (the running app keeps serving)."""
         async with self._reload_lock:
             try:
-                app = GatewayApp(load_config(self.path), self.current.metrics)
+                config, waiting = with_server_in_effect(load_config(self.path), self.in_effect)
+                app = GatewayApp(config, self.current.metrics)
             except ConfigError as exc:
                 problems = [f"{exc.source}: {problem}" for problem in exc.problems]
                 log.error("config reload refused, the running config keeps serving: %s", problems)
                 return problems
+            if waiting:
+                log.warning(
+                    "config reload: %s changed in the file and take effect at the next "
+                    "restart (read at start); the running values stay",
+                    ", ".join(f"server.{key}" for key in waiting),
+                )
             try:
                 await app.startup()
             except BaseException:
@@ -257,8 +275,13 @@ def app_from_env() -> ReloadableGateway:
     by $KVGATE_CONFIG and is a full replica with its own local state. A worker whose config
     does not load logs the problems and exits before serving, which makes uvicorn's supervisor
     keep the workers it has (a reload) or stop (at start)."""
+    in_effect = os.environ.get(SERVER_IN_EFFECT_ENV)
     try:
-        gateway = ReloadableGateway(Path(os.environ[CONFIG_ENV]), supervised=True)
+        gateway = ReloadableGateway(
+            Path(os.environ[CONFIG_ENV]),
+            supervised=True,
+            in_effect=orjson.loads(in_effect) if in_effect else None,
+        )
     except ConfigError as exc:
         for problem in exc.problems:
             log.error("config refused, this worker does not start: %s: %s", exc.source, problem)

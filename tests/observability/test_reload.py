@@ -225,6 +225,32 @@ def test_admin_reload_needs_an_admin_key_and_applies_pools_and_keys(tmp_path, fl
         assert _chat(gateway.base, "sim-model", key=KEY).status_code == 401
 
 
+def test_a_reload_keeps_the_keys_read_at_start_and_says_so(tmp_path, fleet):
+    """`server.port` and `drain_seconds` changed in the file: the reload applies the rest,
+    warns that those wait for a restart, and `/admin/config` shows the values in effect."""
+    port = free_port()
+    config = write_config(tmp_path / "gw.yaml", fleet.urls, port, server={"drain_seconds": 6})
+    with Serve(config, port) as gateway:
+        write_config(
+            config,
+            fleet.urls,
+            free_port(),
+            server={"drain_seconds": 7},
+            keys={"ops-2": "second-secret"},
+        )
+        admin = {"authorization": f"Bearer {ADMIN_KEY}"}
+        answer = httpx.post(gateway.base + "/admin/reload", headers=admin, timeout=10)
+        assert answer.status_code == 200
+        assert _chat(gateway.base, "sim-model", key="ops-2.second-secret").status_code == 200
+        shown = httpx.get(gateway.base + "/admin/config", headers=admin, timeout=5).json()
+        server = shown["config"]["server"]
+        assert (server["port"], server["drain_seconds"]) == (port, 6)
+        warned = [line["message"] for line in gateway.lines() if line.get("level") == "WARNING"]
+        assert any(
+            "server.port, server.drain_seconds changed in the file" in message for message in warned
+        ), warned
+
+
 def test_sigterm_lets_a_stream_longer_than_uvicorns_default_grace_finish(tmp_path, fleet):
     port = free_port()
     config = write_config(tmp_path / "gw.yaml", fleet.urls, port, server={"drain_seconds": 20})
