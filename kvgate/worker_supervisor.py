@@ -8,6 +8,10 @@ them: a client or load balancer that connected during the drain waited up to
 `server.drain_seconds` and was then reset, where one process refuses it at once. This
 supervisor closes its copy as soon as it is told to stop, so a draining gateway refuses new
 connections whether it runs one process or several.
+
+A worker that stops on its own takes its live gauges out of the summed metrics as it goes
+(`Metrics.process_exited`). One that dies (killed, out of memory) cannot: the supervisor does
+it for that worker when it replaces it, or its last queue length would stay in every scrape.
 """
 
 from __future__ import annotations
@@ -15,8 +19,17 @@ from __future__ import annotations
 from uvicorn import Config
 from uvicorn.supervisors import Multiprocess
 
+from kvgate.observability.metrics import forget_dead_process
+
 
 class ListenerClosingSupervisor(Multiprocess):
+    def keep_subprocess_alive(self) -> None:
+        before = {process.pid for process in self.processes}
+        super().keep_subprocess_alive()
+        for pid in before - {process.pid for process in self.processes}:
+            if pid is not None:
+                forget_dead_process(pid)
+
     def handle_term(self) -> None:
         self._stop_listening()
         super().handle_term()

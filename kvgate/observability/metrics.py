@@ -222,6 +222,13 @@ class GatewayMetrics:
             mark_process_dead(os.getpid())
 
 
+def forget_dead_process(pid: int) -> None:
+    """A worker process `pid` died without `Metrics.process_exited`: its live gauges leave the
+    sums (a no-op outside multiprocess mode)."""
+    if os.environ.get(MULTIPROCESS_DIR):
+        mark_process_dead(pid)
+
+
 def successful_task(ctx: RequestContext) -> str | None:
     """`request` for a request answered completely with a 2xx; for a request of a workflow,
     `workflow` when it is the last step (`n/n`) and None for the steps before it. Reading or

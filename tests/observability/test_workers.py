@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import signal
 import socket
 import time
@@ -217,6 +218,36 @@ def test_workers_are_replaced_on_reload_and_a_broken_config_keeps_the_old_ones(t
                 assert time.monotonic() < deadline, "some worker never served the new config"
                 time.sleep(0.2)
             assert gateway.proc.poll() is None
+
+
+def test_a_killed_workers_queue_gauge_leaves_the_sums(tmp_path, redis):
+    """A worker that dies without stopping (SIGKILL, out of memory) cannot take its live
+    gauges out of the summed metrics itself: the supervisor does, as it replaces it."""
+    options = EngineOptions(models=["sim-model"], profile="realistic")
+    with SimFleet.in_thread(engines=1, options=options) as fleet:
+        port = free_port()
+        config = write_config(tmp_path / "gw.yaml", fleet.urls, port, redis_url=redis.url)
+        written = yaml.safe_load(config.read_text())
+        written["pools"][0]["endpoints"][0]["max_inflight"] = 1  # the others queue
+        config.write_text(yaml.safe_dump(written))
+        temp = tmp_path / "tmp"
+        temp.mkdir()
+        with Serve(config, port, 2, env={"TMPDIR": str(temp)}) as gateway:
+            (metrics_dir,) = temp.glob("kvgate-metrics-*")
+            queued: set[int] = set()
+            for _ in range(10):
+                _send(gateway.base, 6, stream=False)
+                queued = {int(f.stem.rsplit("_", 1)[1]) for f in metrics_dir.glob("gauge_live*")}
+                if queued:
+                    break
+            assert queued, "no request ever queued"
+            dead = next(iter(queued))
+            os.kill(dead, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while not any(f"Child process [{dead}] died" in m for m in _messages(gateway)):
+                assert time.monotonic() < deadline, "the supervisor never replaced the worker"
+                time.sleep(0.1)
+            assert not list(metrics_dir.glob(f"gauge_live*_{dead}.db"))
 
 
 def test_a_draining_multi_worker_gateway_refuses_new_connections_and_finishes_its_stream(
