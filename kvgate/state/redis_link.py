@@ -94,7 +94,8 @@ class RedisBreaker:
 
     def failure(self, started: float) -> bool:
         """Record the failure of a call started at `started` (this breaker's clock); True when
-        this opened the breaker."""
+        this opened the breaker, or opened it again after a failed probe (`failures` is then
+        past `threshold`)."""
         if started < self.last_failure:
             return False
         self.last_failure = self.clock()
@@ -163,13 +164,15 @@ class RedisLink:
             _reraise_cancellation()
             self.stats.failures += 1
             self.stats.observe(self.breaker.clock() - started)
-            if self.breaker.failure(started):
+            breaker = self.breaker
+            if breaker.failure(started):
                 self.stats.breaker_opened += 1
-                log.warning(
-                    "redis unreachable for %s (%s); serving on local state",
-                    self.purpose,
-                    type(exc).__name__,
-                )
+                if breaker.failures == breaker.threshold:  # an outage begins: one line
+                    log.warning(
+                        "redis unreachable for %s (%s); serving on local state",
+                        self.purpose,
+                        type(exc).__name__,
+                    )
             raise RedisUnavailable(str(exc) or type(exc).__name__) from None
         _reraise_cancellation()
         self.stats.observe(self.breaker.clock() - started)

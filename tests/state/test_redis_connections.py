@@ -7,6 +7,8 @@ calls at once counts as one failure for the breaker."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import socket
 import time
 
 import pytest
@@ -124,3 +126,25 @@ def test_calls_failing_together_count_once_and_consecutive_attempts_open_the_bre
     assert breaker.admit()  # the half-open probe
     assert breaker.success()
     assert breaker.failures == 0 and not breaker.is_open
+
+
+async def test_an_outage_is_logged_once_not_at_every_failed_probe(caplog):
+    """While Redis stays down, each half-open probe fails and opens the breaker again: one
+    warning says the outage began, not one per probe (every second or two, per link)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed = probe.getsockname()[1]  # nothing listens there once this socket closes
+    link = RedisLink(f"redis://127.0.0.1:{closed}/0", 0.5, max_connections=2, keep_idle=1)
+    now = [0.0]
+    link.breaker = RedisBreaker(threshold=3, clock=lambda: now[0])
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvgate.state"):
+            for _ in range(12):
+                now[0] += 10.0  # past any back-off: every call is let through, and fails
+                with pytest.raises(RedisUnavailable):
+                    await link.call(lambda r: r.ping())
+        assert link.stats.breaker_opened == 10  # opened once, then again at each probe
+        said = [r.getMessage() for r in caplog.records if "unreachable" in r.getMessage()]
+        assert len(said) == 1, said
+    finally:
+        await link.close()
