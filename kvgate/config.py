@@ -515,12 +515,14 @@ def parse_config(
     data: Any, source: str = "<config>", document: YamlDocument | None = None
 ) -> Config:
     """Validate an already-parsed YAML/JSON tree (`document`, when given, places errors on
-    lines). Raises ConfigError listing every problem."""
+    lines and names keys written twice). Raises ConfigError listing every problem: those of
+    the file's keys and values together, and, once they are all valid, those between
+    sections (duplicate names, unknown tiers, ...), which need a valid config to be found."""
+    problems: list[str] = list(document.duplicates) if document is not None else []
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(source, ["(top level): must be a mapping of keys to values"])
-    problems: list[str] = []
+        raise ConfigError(source, [*problems, "(top level): must be a mapping of keys to values"])
     data = _substitute_env(data, (), problems, document)
     try:
         config = Config.model_validate(data)

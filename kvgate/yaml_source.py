@@ -38,6 +38,9 @@ class YamlDocument:
 
     data: Any
     marks: dict[Loc, tuple[int, int]] = field(default_factory=dict)
+    # Keys written twice in one mapping (YAML keeps the last): problems the reader reports
+    # with those it finds in the values.
+    duplicates: list[str] = field(default_factory=list)
 
     def where(self, loc: Sequence[str | int]) -> str:
         """`line L, column C: key.path` for the deepest part of `loc` that was written in the
@@ -98,7 +101,8 @@ def without_credentials(text: str) -> str:
 
 
 def parse_yaml(text: str) -> YamlDocument:
-    """Parse `text`; raises YamlSourceError naming the line and column of a syntax error."""
+    """Parse `text`; raises YamlSourceError naming the line and column of a syntax error. A key
+    written twice is in the document's `duplicates`."""
     try:
         data = yaml.safe_load(text)
         root = yaml.compose(text, Loader=yaml.SafeLoader)
@@ -111,9 +115,7 @@ def parse_yaml(text: str) -> YamlDocument:
     duplicates: list[str] = []
     if root is not None:
         _walk(root, (), marks, duplicates)
-    if duplicates:
-        raise YamlSourceError(duplicates)
-    return YamlDocument(data, marks)
+    return YamlDocument(data, marks, duplicates)
 
 
 def read_yaml(path: str | Path) -> YamlDocument:

@@ -314,6 +314,8 @@ def _profile(
 def build_policy(data: Any, source: str, document: YamlDocument | None = None) -> RoutingPolicy:
     """Validate a parsed policy tree and build its plugins; PolicyError lists every problem
     (on the lines of `document`, when given)."""
+    if document is not None and document.duplicates:
+        raise PolicyError([f"{source}: {problem}" for problem in document.duplicates])
     if not isinstance(data, dict):
         raise PolicyError([f"{source}: (top level): must be a mapping of keys to values"])
     try:
