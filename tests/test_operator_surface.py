@@ -23,6 +23,8 @@ from kvgate.sim import EngineOptions, SimFleet
 from tests.chain.helpers import chat, make_key, tenant
 from tests.conftest import gateway_config
 from tests.sdk_clients import sdk_client
+from tests.servers import ServerThread
+from tests.upstreams import ScriptedUpstream
 
 KEY, KEY_ENTRY = make_key("acme-1")
 NARROW, NARROW_ENTRY = make_key("narrow-1")
@@ -138,10 +140,16 @@ def test_models_say_the_context_length_that_fits_every_engine_serving_them(start
         assert listed.model_extra == model.model_extra
 
 
-def test_models_require_key(upstream, start_gateway):
+def test_models_require_key(start_gateway):
+    engine = ScriptedUpstream(("m1", "other-1"))
+    with ServerThread(engine) as engine_server:
+        _models_require_key(start_gateway, engine_server.url)
+
+
+def _models_require_key(start_gateway, url):
     _, server = start_gateway(
         gateway_config(
-            [upstream[1].url],
+            [url],
             pool={"models": ["m1", "other-1"]},
             server={"models_require_key": True},
             auth={

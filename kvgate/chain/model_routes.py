@@ -34,7 +34,7 @@ def _model(model_id: str, fleet: Fleet) -> dict[str, object]:
 
 
 class ModelRoutes:
-    """Lists the models with an endpoint in rotation (`Fleet.served_models`)."""
+    """Lists the models an endpoint in rotation serves (`Fleet.served_models`)."""
 
     def __init__(self, fleet: Fleet, directory: TenantDirectory, require_key: bool) -> None:
         self.fleet = fleet

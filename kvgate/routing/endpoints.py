@@ -262,6 +262,13 @@ def build_pool(config: PoolConfig, routing: RoutingConfig | None = None) -> Pool
     return Pool(config.name, config.engine, config.policy, endpoints, responses)
 
 
+def _serves(endpoint: Endpoint, model: str) -> bool:
+    """Whether `endpoint` (serving `model` by its config or its list) really serves it."""
+    if endpoint.engine != "vllm" or not endpoint.discovered_models:
+        return True
+    return model in endpoint.discovered_models
+
+
 class Fleet:
     """Every pool and endpoint, with a model → candidates map rebuilt when health or the
     discovered model lists change (never per request).
@@ -360,8 +367,16 @@ class Fleet:
         return next((e for e in self.endpoints if e.name == name), None)
 
     def served_models(self) -> list[str]:
-        """Models with at least one endpoint in rotation."""
-        return sorted(m for m, eps in self._healthy_by_model.items() if eps)
+        """Models with at least one endpoint in rotation that serves them. A vLLM engine
+        answers 404 for a model it does not serve, so there a configured model counts only
+        while the engine lists it too, or has listed nothing yet; other engines (SGLang,
+        most OpenAI-compatible servers) serve whatever name they are sent, so a configured
+        name is theirs as well."""
+        return sorted(
+            model
+            for model, endpoints in self._healthy_by_model.items()
+            if any(_serves(endpoint, model) for endpoint in endpoints)
+        )
 
     def model_card(self, model: str) -> dict[str, object]:
         """What the endpoints in rotation serving `model` say of it (`MODEL_CARD_FIELDS`):

@@ -57,3 +57,17 @@ def test_has_capacity_until_every_candidate_is_saturated(waiting, expected):
     assert f.has_capacity("m", None, "a") is (waiting[0] == 0)
     assert f.has_capacity("m", None, "b") is (waiting[1] == 0)
     assert f.has_capacity("m", None, "gone") is True  # picking answers 503 instead
+
+
+def test_served_models_are_those_the_engines_list_once_they_have_listed():
+    """A model the config names but a vLLM engine's list leaves out is not offered to clients
+    (who would get the engine's 404); before an engine lists its models, the config's stand."""
+    listed = endpoint("a", model="declared-only", discovered_models=frozenset({"served"}))
+    unlisted = endpoint("b", model="not-yet-listed")
+    f = fleet(listed, unlisted)
+    assert f.served_models() == ["not-yet-listed", "served"]
+    assert f.serves("declared-only")  # still routed: the engine's own answer is relayed
+    # SGLang (and most OpenAI-compatible servers) serve any name they are sent: an alias.
+    alias = endpoint("c", model="alias", discovered_models=frozenset({"served"}))
+    alias.engine = "sglang"
+    assert fleet(alias).served_models() == ["alias", "served"]
