@@ -80,7 +80,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if config.server.admin_port == port != 0:
         print(f"kvgate serve: port {port} is server.admin_port too", file=sys.stderr)
         return 1
-    in_effect = {**server_in_effect(config), "host": host, "port": port}
+    from_file = server_in_effect(config)
+    started = {"file": from_file, "in_effect": {**from_file, "host": host, "port": port}}
     logging.config.dictConfig(logging_config(args.log_level, args.log_format))
     options = uvicorn_options(
         host,
@@ -110,7 +111,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             )
             return 1
         os.environ[CONFIG_ENV] = str(Path(args.config).resolve())
-        os.environ[SERVER_IN_EFFECT_ENV] = orjson.dumps(in_effect).decode()
+        os.environ[SERVER_IN_EFFECT_ENV] = orjson.dumps(started).decode()
         # The workers keep their metric values in files here and every scrape sums them; a
         # fresh directory per run, so a restarted gateway starts its counters from zero.
         with tempfile.TemporaryDirectory(prefix="kvgate-metrics-") as metrics_dir:
@@ -125,7 +126,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             )
         return 0
     try:
-        app = ReloadableGateway(args.config, in_effect=in_effect)
+        app = ReloadableGateway(args.config, started=started)
     except ConfigError as exc:  # the OTEL_* variables are read only when the app is built
         _print_problems(exc)
         return 1

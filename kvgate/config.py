@@ -366,15 +366,15 @@ def server_in_effect(config: Config) -> dict[str, Any]:
     return {key: getattr(config.server, key) for key in START_ONLY_SERVER_KEYS}
 
 
-def with_server_in_effect(config: Config, in_effect: dict[str, Any]) -> tuple[Config, list[str]]:
-    """`config` with the start-only `server` values the process runs with (flags and
-    environment variables may have overridden the file's), and the keys whose value in
-    `config` differs from them."""
-    differ = [key for key, value in in_effect.items() if getattr(config.server, key) != value]
+def with_server_in_effect(config: Config, in_effect: dict[str, Any]) -> Config:
+    """`config` with the start-only `server` values the process runs with (the file's when it
+    started, or the flags and environment variables that overrode them)."""
+    differ = {
+        key: value for key, value in in_effect.items() if getattr(config.server, key) != value
+    }
     if not differ:
-        return config, []
-    server = config.server.model_copy(update={key: in_effect[key] for key in differ})
-    return config.model_copy(update={"server": server}), differ
+        return config
+    return config.model_copy(update={"server": config.server.model_copy(update=differ)})
 
 
 class ConfigError(Exception):

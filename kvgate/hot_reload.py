@@ -32,7 +32,13 @@ from uvicorn.config import STARTUP_FAILURE
 
 from kvgate.app import GatewayApp
 from kvgate.asgi import JSON, Receive, Scope, Send, send_bytes, send_error
-from kvgate.config import ConfigError, load_config, server_in_effect, with_server_in_effect
+from kvgate.config import (
+    Config,
+    ConfigError,
+    load_config,
+    server_in_effect,
+    with_server_in_effect,
+)
 from kvgate.errors import KvgateError, MethodNotAllowed
 from kvgate.http_server import use_header_timeout
 from kvgate.reload_carryover import carry_over
@@ -42,7 +48,8 @@ from kvgate.routing.policy_catalog import load_policies
 log = logging.getLogger("kvgate")
 
 CONFIG_ENV = "KVGATE_CONFIG"
-# The start-only `server` values a `--workers N` supervisor serves with, for its workers (JSON).
+# The start-only `server` values of a `--workers N` supervisor's start, for its workers (JSON:
+# `ReloadableGateway`'s `started`).
 SERVER_IN_EFFECT_ENV = "KVGATE_SERVER_IN_EFFECT"
 RELOAD_ROUTE = "/admin/reload"
 
@@ -54,19 +61,25 @@ class ReloadableGateway:
     checks the file and asks the supervising process (SIGHUP to the parent) to replace every
     worker in turn, since one worker cannot reload its siblings.
 
-    `in_effect`: the start-only `server` values the process serves with (`kvgate serve`'s,
-    after its flags and environment variables; by default the file's). Every config this
-    process serves carries them, so `/admin/config` says what is in effect, and a reload that
-    changes them says they wait for a restart."""
+    `started`: the start-only `server` values when `kvgate serve` started, as the file said
+    them (`file`) and as the process serves with them after its flags and environment
+    variables (`in_effect`); by default this file's, now. Every config this process serves
+    carries the values in effect, so `/admin/config` says what is served, and a config whose
+    file changed them since the start (a reload, or a worker that a reload replaced) logs that
+    they wait for a restart."""
 
     def __init__(
-        self, path: Path, supervised: bool = False, in_effect: dict[str, Any] | None = None
+        self, path: Path, supervised: bool = False, started: dict[str, Any] | None = None
     ) -> None:
         self.path = path
         self.supervised = supervised
         config = load_config(path)
-        self.in_effect = server_in_effect(config) if in_effect is None else in_effect
-        self.current = GatewayApp(with_server_in_effect(config, self.in_effect)[0])
+        if started is None:
+            started = {"file": server_in_effect(config), "in_effect": server_in_effect(config)}
+        self.file_at_start: dict[str, Any] = started["file"]
+        self.in_effect: dict[str, Any] = started["in_effect"]
+        self._warn_start_only(config)
+        self.current = GatewayApp(with_server_in_effect(config, self.in_effect))
         self.current.fleet.earlier_inflight = self._earlier_inflight
         # Read at start, as the server's own grace is (docs/config.md).
         self.drain_seconds = self.current.config.server.drain_seconds
@@ -107,18 +120,15 @@ class ReloadableGateway:
         requests, else the problems found (the running app keeps serving)."""
         async with self._reload_lock:
             try:
-                config, waiting = with_server_in_effect(load_config(self.path), self.in_effect)
-                app = GatewayApp(config, self.current.metrics)
+                config = load_config(self.path)
+                app = GatewayApp(
+                    with_server_in_effect(config, self.in_effect), self.current.metrics
+                )
             except ConfigError as exc:
                 problems = [f"{exc.source}: {problem}" for problem in exc.problems]
                 log.error("config reload refused, the running config keeps serving: %s", problems)
                 return problems
-            if waiting:
-                log.warning(
-                    "config reload: %s changed in the file and take effect at the next "
-                    "restart (read at start); the running values stay",
-                    ", ".join(f"server.{key}" for key in waiting),
-                )
+            self._warn_start_only(config)
             try:
                 await app.startup()
             except BaseException:
@@ -135,6 +145,17 @@ class ReloadableGateway:
             else:
                 self._retired.add(old)
             return []
+
+    def _warn_start_only(self, config: Config) -> None:
+        """Log the start-only `server` keys whose value in the file changed since the start."""
+        now = server_in_effect(config)
+        changed = [key for key, value in now.items() if value != self.file_at_start.get(key)]
+        if changed:
+            log.warning(
+                "config: %s changed in the file since the start and take effect at the next "
+                "restart (read at start); the running values stay",
+                ", ".join(f"server.{key}" for key in changed),
+            )
 
     def _earlier_inflight(self, endpoint: Endpoint) -> int:
         """Requests still running on `endpoint` (its pool and URL: names are positions in a
@@ -275,12 +296,12 @@ def app_from_env() -> ReloadableGateway:
     by $KVGATE_CONFIG and is a full replica with its own local state. A worker whose config
     does not load logs the problems and exits before serving, which makes uvicorn's supervisor
     keep the workers it has (a reload) or stop (at start)."""
-    in_effect = os.environ.get(SERVER_IN_EFFECT_ENV)
+    started = os.environ.get(SERVER_IN_EFFECT_ENV)
     try:
         gateway = ReloadableGateway(
             Path(os.environ[CONFIG_ENV]),
             supervised=True,
-            in_effect=orjson.loads(in_effect) if in_effect else None,
+            started=orjson.loads(started) if started else None,
         )
     except ConfigError as exc:
         for problem in exc.problems:
