@@ -30,7 +30,7 @@ from kvgate.chain.stored_responses import StoredResponseStage
 from kvgate.chain.tenants import TenantDirectory
 from kvgate.config import Config, StateConfig
 from kvgate.cors import with_cors
-from kvgate.errors import KvgateError, MethodNotAllowed, NotFound, Overloaded
+from kvgate.errors import KvgateError, MethodNotAllowed, Overloaded
 from kvgate.fleet_admin import FleetAdminRoutes
 from kvgate.ingress import (
     INFERENCE_ROUTES,
@@ -71,6 +71,8 @@ log = logging.getLogger("kvgate")
 
 _STARTUP_PROBE_SECONDS = 3.0
 _OPERATIONAL_ROUTES = frozenset({"/healthz", "/readyz", "/metrics"})
+# The route label of a request for a path the gateway does not serve.
+UNKNOWN_ROUTE = "unknown"
 _PROMETHEUS = b"text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -260,15 +262,23 @@ class GatewayApp:
         if named is not None:
             await self._stored_response(scope, receive, send, *named)
             return
-        send = _with_request_id(send, request_id_from(scope["headers"]))
+        request_id = request_id_from(scope["headers"])
+        send = _with_request_id(send, request_id)
         if is_model_route(scope["path"]):
             await self.models(scope, send)
         elif not self.admin_on_public_port and is_admin_route(scope["path"]):
-            await send_error(send, unknown_route(scope))
+            await self._unknown(request_id, unknown_route(scope), send)
         elif scope["path"].startswith("/admin/"):
             await self.admin(scope, receive, send)
         else:
-            await self._operational(scope, send)
+            await self._operational(scope, send, request_id)
+
+    async def _unknown(self, request_id: str, error: KvgateError, send: Send) -> None:
+        """Answer a request for a route the gateway does not serve: counted and logged (route
+        `unknown`), as a proxy logs every request, so that scans and misdirected clients show."""
+        await send_error(send, error)
+        self.metrics.observe_rejected(UNKNOWN_ROUTE, error.status, str(error.code))
+        self.access_log.rejected(request_id, UNKNOWN_ROUTE, error)
 
     async def startup(self) -> None:
         if self.config.auth is None:
@@ -463,12 +473,10 @@ class GatewayApp:
         self.metrics.observe(ctx, self.fleet, cost)
         self.access_log.finished(ctx, cost)
 
-    async def _operational(self, scope: Scope, send: Send) -> None:
+    async def _operational(self, scope: Scope, send: Send, request_id: str) -> None:
         path = scope["path"]
         if path not in _OPERATIONAL_ROUTES:
-            await send_error(
-                send, NotFound(f"Unknown route {scope['method']} {path}", code="unknown_url")
-            )
+            await self._unknown(request_id, unknown_route(scope), send)
             return
         if scope["method"] not in ("GET", "HEAD"):
             await send_error(

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import socket
 
 import httpx
 import pytest
 
 from tests.conftest import gateway_config
+from tests.metrics_text import sample_value
 
 CHAT_URL = "/v1/chat/completions"
 MSGS = [{"role": "user", "content": "hi"}]
@@ -300,3 +303,23 @@ def test_post_to_operational_route_is_405_and_unknown_route_404(gateway):
     _assert_openai_error(httpx.post(server.url + "/v1/models"), 405, inference=False)
     error = _assert_openai_error(httpx.get(server.url + "/v1/unknown"), 404, inference=False)
     assert error["code"] == "unknown_url"
+
+
+def test_a_request_for_an_unknown_route_is_counted_and_logged(upstream, start_gateway, caplog):
+    """As a proxy logs every request: a scan or a misdirected client shows in the access log
+    and in `kvgate_requests_total` (route `unknown`), with the request id it was answered."""
+    _, up = upstream
+    _, server = start_gateway(gateway_config([up.url], server={"access_log": True}))
+    with caplog.at_level(logging.INFO, logger="kvgate.access"):
+        answer = httpx.get(server.url + "/wp-login.php", timeout=10)
+    assert answer.status_code == 404
+    [line] = [json.loads(r.getMessage()) for r in caplog.records if r.name == "kvgate.access"]
+    assert line == {
+        "request_id": answer.headers["x-request-id"],
+        "route": "unknown",
+        "status": 404,
+        "outcome": "unknown_url",
+    }
+    metrics = httpx.get(server.url + "/metrics", timeout=10).text
+    labels = {"route": "unknown", "model": "_unknown", "status": "404", "outcome": "unknown_url"}
+    assert sample_value(metrics, "kvgate_requests_total", **labels) == 1.0
