@@ -22,6 +22,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PrivateAttr,
+    TypeAdapter,
     ValidationError,
     field_validator,
     model_validator,
@@ -473,14 +474,18 @@ def _event_socket_problems(
     return problems
 
 
-def _cross_check(config: Config) -> list[str]:
+def _cross_check(sections: dict[str, Any]) -> list[str]:
+    """Problems between the `sections` given (validated; a section whose values are not valid
+    is left out, and so are the checks that need it)."""
     problems: list[str] = []
-    if config.state.backend == "redis" and not config.state.url:
+    state: StateConfig | None = sections.get("state")
+    if state is not None and state.backend == "redis" and not state.url:
         problems.append("state.url: required when state.backend is 'redis'")
+    pools: list[PoolConfig] = sections.get("pools") or []
     seen_pools: set[str] = set()
     seen_urls: dict[str, str] = {}
     seen_event_urls: dict[str, str] = {}
-    for i, pool in enumerate(config.pools):
+    for i, pool in enumerate(pools):
         if pool.name in seen_pools:
             problems.append(f"pools[{i}].name: duplicate pool name '{pool.name}'")
         seen_pools.add(pool.name)
@@ -502,22 +507,47 @@ def _cross_check(config: Config) -> list[str]:
                 f"pools[{i}].tokenizer: KV events need the engines' token ids: set kind "
                 "'hf' or 'sim'"
             )
-    retries, breaker = config.resilience.retries, config.resilience.breaker
-    if retries.backoff_cap < retries.backoff_base:
-        problems.append("resilience.retries.backoff_cap: must be at least backoff_base")
-    if breaker.max_ejection < breaker.base_ejection:
-        problems.append("resilience.breaker.max_ejection: must be at least base_ejection")
-    problems.extend(cross_check_chain(config.auth, config.tiers))
+    resilience: ResilienceConfig | None = sections.get("resilience")
+    if resilience is not None:
+        retries, breaker = resilience.retries, resilience.breaker
+        if retries.backoff_cap < retries.backoff_base:
+            problems.append("resilience.retries.backoff_cap: must be at least backoff_base")
+        if breaker.max_ejection < breaker.base_ejection:
+            problems.append("resilience.breaker.max_ejection: must be at least base_ejection")
+    if "auth" in sections and "tiers" in sections:
+        problems.extend(cross_check_chain(sections["auth"], sections["tiers"]))
     return problems
+
+
+# The sections the checks between sections read.
+_CROSS_CHECKED = ("state", "pools", "resilience", "auth", "tiers")
+
+
+def _valid_sections(data: dict[str, Any], invalid: set[Any]) -> dict[str, Any]:
+    """The cross-checked sections of `data` whose values are valid (none of `invalid`, the
+    top-level keys with problems), each validated alone (its default when absent)."""
+    fields = Config.model_fields
+    sections: dict[str, Any] = {}
+    for name in _CROSS_CHECKED:
+        if name in invalid:
+            continue
+        field = fields[name]
+        value = data[name] if name in data else field.get_default(call_default_factory=True)
+        assert field.annotation is not None
+        try:
+            sections[name] = TypeAdapter(field.annotation).validate_python(value)
+        except ValidationError:
+            continue
+    return sections
 
 
 def parse_config(
     data: Any, source: str = "<config>", document: YamlDocument | None = None
 ) -> Config:
     """Validate an already-parsed YAML/JSON tree (`document`, when given, places errors on
-    lines and names keys written twice). Raises ConfigError listing every problem: those of
-    the file's keys and values together, and, once they are all valid, those between
-    sections (duplicate names, unknown tiers, ...), which need a valid config to be found."""
+    lines and names keys written twice). Raises ConfigError listing every problem: the file's
+    keys and values, and those between the sections whose values are valid (duplicate names,
+    unknown tiers, ...)."""
     problems: list[str] = list(document.duplicates) if document is not None else []
     if data is None:
         data = {}
@@ -527,10 +557,13 @@ def parse_config(
     try:
         config = Config.model_validate(data)
     except ValidationError as exc:
-        problems.extend(_describe(e, document) for e in exc.errors())
+        errors = exc.errors()
+        problems.extend(_describe(e, document) for e in errors)
+        invalid = {e["loc"][0] for e in errors if e["loc"]}
+        problems.extend(_cross_check(_valid_sections(data, invalid)))
         raise ConfigError(source, problems) from None
     config._source = source
-    problems.extend(_cross_check(config))
+    problems.extend(_cross_check({name: getattr(config, name) for name in _CROSS_CHECKED}))
     if problems:
         raise ConfigError(source, problems, config)
     return config

@@ -256,26 +256,34 @@ def test_a_key_written_twice_is_refused_not_silently_overridden(tmp_path):
     ]
 
 
-def test_keys_written_twice_are_reported_with_the_values_problems(tmp_path):
-    """One run of check-config names a key written twice and what is wrong elsewhere, not the
-    first kind alone (a fix, a run, and then the next)."""
+def test_one_run_reports_every_kind_of_problem(tmp_path):
+    """One run of check-config names a key written twice, what is wrong in the values, and
+    what is wrong between the sections that are valid, not one kind at a time (a fix, a run,
+    and then the next)."""
+    digest = "a" * 64
     problems = _problems(
         tmp_path,
-        """\
+        f"""\
         server:
           port: 8080
           port: 9090
           prot: 1
+        state: {{backend: redis}}
+        auth:
+          tenants:
+            - {{name: acme, tier: platinum, keys: [{{id: a1, sha256: "{digest}"}}]}}
         pools:
           - name: a
             engine: vlm
-            endpoints: [{url: "http://h:1", max_inflight: -3}]
+            endpoints: [{{url: "http://h:1", max_inflight: -3}}]
         """,
     )
     assert problems[0].startswith("line 3, column 3: server.port: duplicate key")
     assert any(p.startswith("line 4, column 3: server.prot: unknown key") for p in problems)
     assert any("pools[0].engine" in p for p in problems), problems
     assert any("pools[0].endpoints[0].max_inflight" in p for p in problems), problems
+    assert "state.url: required when state.backend is 'redis'" in problems
+    assert any(p.startswith("auth.tenants[0].tier: unknown tier 'platinum'") for p in problems)
 
 
 def test_missing_pools_and_wrong_top_level(tmp_path):
