@@ -89,6 +89,9 @@ class StreamTranscript:
         self.client_wants_usage = isinstance(options, dict) and bool(options.get("include_usage"))
         self.pieces: list[str] = []
         self.content_events = 0
+        # A reasoning model's thinking was relayed (`reasoning_content` / `reasoning` deltas):
+        # a continuation could not carry it, and its tokens are not counted in `content_events`.
+        self.reasoned = False
         self.finished = False
         self.identity: tuple[Any, Any, Any] | None = None
         self.continuing = False
@@ -154,7 +157,10 @@ class StreamTranscript:
         if not choices or not isinstance(choices[0], dict):
             return
         choice = choices[0]
-        text = (choice.get("delta") or {}).get("content") if self.chat else choice.get("text")
+        delta = (choice.get("delta") or {}) if self.chat else {}
+        text = delta.get("content") if self.chat else choice.get("text")
+        if delta.get("reasoning_content") or delta.get("reasoning"):
+            self.reasoned = True
         if isinstance(text, str) and text:
             self.pieces.append(text)
             self.content_events += 1
@@ -189,7 +195,11 @@ def _role_only(chunk: dict[str, Any]) -> bool:
 
 
 def continuation_body(ctx: RequestContext, transcript: StreamTranscript) -> bytes | None:
-    """The request that continues the answer, or None when nothing is left to generate."""
+    """The request that continues the answer, or None when it cannot be continued: nothing is
+    left to generate, or a reasoning model's thinking was relayed (the continuation would
+    think again from the start, without it, in a budget that did not count it)."""
+    if transcript.reasoned:
+        return None
     sent = transcript.content_events
     body = dict(ctx.payload)
     if transcript.chat:

@@ -478,6 +478,28 @@ def test_transcript_relays_the_original_unchanged_and_rewrites_the_continuation(
     assert transcript.overhead_tokens == 12
 
 
+def test_a_stream_that_relayed_reasoning_is_not_continued():
+    """A reasoning model's thinking (vLLM's `reasoning_content`, newer `reasoning`) is not in
+    the transcript's text: a continuation would think again from the start, so the stream
+    ends with an error event instead, as without resume."""
+    payload = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    for field in ("reasoning_content", "reasoning"):
+        ctx = ctx_for(payload=payload)
+        transcript = StreamTranscript(ctx)
+        thought = {
+            "id": "orig",
+            "object": "chat.completion.chunk",
+            "created": 7,
+            "model": "m",
+            "choices": [{"index": 0, "delta": {field: "Let me think"}, "finish_reason": None}],
+        }
+        transcript.shape(b"data: " + orjson.dumps(thought) + b"\n\n" + chunk("The answer"))
+        assert transcript.reasoned and continuation_body(ctx, transcript) is None
+    plain = StreamTranscript(ctx_for(payload=payload))
+    plain.shape(chunk("The answer"))
+    assert not plain.reasoned
+
+
 def test_continuation_of_a_completion_is_prompt_plus_text_and_respects_the_limit():
     payload = {"model": "m", "stream": True, "prompt": "Once"}
     ctx = ctx_for(route="completions", payload=payload)
