@@ -422,9 +422,14 @@ def test_resume_eligibility(extra, eligible):
 
 
 def chunk(
-    content: str | None, role: bool = False, finish: str | None = None, ident: str = "orig"
+    content: str | None,
+    role: bool = False,
+    finish: str | None = None,
+    ident: str = "orig",
+    delta: dict | None = None,
 ) -> bytes:
-    delta: dict = {"role": "assistant", "content": ""} if role else {"content": content}
+    if delta is None:
+        delta = {"role": "assistant", "content": ""} if role else {"content": content}
     body = {
         "id": ident,
         "object": "chat.completion.chunk",
@@ -486,14 +491,7 @@ def test_a_stream_that_relayed_reasoning_is_not_continued():
     for field in ("reasoning_content", "reasoning"):
         ctx = ctx_for(payload=payload)
         transcript = StreamTranscript(ctx)
-        thought = {
-            "id": "orig",
-            "object": "chat.completion.chunk",
-            "created": 7,
-            "model": "m",
-            "choices": [{"index": 0, "delta": {field: "Let me think"}, "finish_reason": None}],
-        }
-        transcript.shape(b"data: " + orjson.dumps(thought) + b"\n\n" + chunk("The answer"))
+        transcript.shape(chunk(None, delta={field: "Let me think"}) + chunk("The answer"))
         assert transcript.reasoned and continuation_body(ctx, transcript) is None
     plain = StreamTranscript(ctx_for(payload=payload))
     plain.shape(chunk("The answer"))
