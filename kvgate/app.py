@@ -275,10 +275,9 @@ class GatewayApp:
 
     async def _unknown(self, request_id: str, error: KvgateError, send: Send) -> None:
         """Answer a request for a route the gateway does not serve: counted and logged (route
-        `unknown`), as a proxy logs every request, so that scans and misdirected clients show."""
-        await send_error(send, error)
-        self.metrics.observe_rejected(UNKNOWN_ROUTE, error.status, str(error.code))
-        self.access_log.rejected(request_id, UNKNOWN_ROUTE, error)
+        `unknown`), as a proxy logs every request, so that scans and misdirected clients show.
+        `send` already puts the request id on the answer."""
+        await self._answer_refused(UNKNOWN_ROUTE, request_id, error, send, [])
 
     async def startup(self) -> None:
         if self.config.auth is None:
@@ -447,6 +446,12 @@ class GatewayApp:
         extra = [(REQUEST_ID, request_id.encode())]
         if isinstance(error, MethodNotAllowed):
             extra.append((b"allow", allowed))
+        await self._answer_refused(route, request_id, error, send, extra)
+
+    async def _answer_refused(
+        self, route: str, request_id: str, error: KvgateError, send: Send, extra: Headers
+    ) -> None:
+        """Send `error` (with the `extra` headers), count it and log it."""
         await send_error(send, error, extra)
         self.metrics.observe_rejected(route, error.status, str(error.code))
         self.access_log.rejected(request_id, route, error)

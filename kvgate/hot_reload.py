@@ -75,7 +75,8 @@ class ReloadableGateway:
         self.supervised = supervised
         config = load_config(path)
         if started is None:
-            started = {"file": server_in_effect(config), "in_effect": server_in_effect(config)}
+            from_file = server_in_effect(config)
+            started = {"file": from_file, "in_effect": from_file}
         self.file_at_start: dict[str, Any] = started["file"]
         self.in_effect: dict[str, Any] = started["in_effect"]
         self._warn_start_only(config)

@@ -22,12 +22,12 @@ from typing import Any, Literal
 
 import jinja2.nodes
 
+from kvgate.sim_chat_template import TEXT_PART_TYPES
+
 ContentFormat = Literal["string", "openai"]
 # Part type → the key holding its text.
 _TEXT_KEYS = {
-    "text": "text",
-    "input_text": "text",
-    "output_text": "text",
+    **dict.fromkeys(TEXT_PART_TYPES, "text"),
     "refusal": "refusal",
     "thinking": "thinking",
 }
