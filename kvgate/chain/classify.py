@@ -1,8 +1,12 @@
 """The `classify` stage: rules from config turn a request into an `Intent`.
 
-Rules are tried in order; the first whose conditions all hold sets the latency class, deadline
-and residency, and its name is recorded in the intent (that is the explanation). No rule: the
-tier's default class and the class's deadline. A tier's `best_class` caps what any rule grants.
+Rules are tried in order. The first whose conditions all hold, among those that set more than
+residency, sets the latency class and deadline (its name is the intent's `rule`: that is the
+explanation); no such rule: the tier's default class and the class's deadline. Residency is a
+constraint, not a choice: every matching rule that sets one narrows the request's residency
+(the intersection with the tenant's and the other rules'), so a class rule earlier in the list
+never shadows a residency rule (the intent lists them in `residency_rules`). A tier's
+`best_class` caps what any rule grants.
 Everything is compiled at config load: fnmatch patterns and keywords become regexes, header
 names are lower-cased bytes. Per request the work is a few dict lookups and, only when a rule
 needs them, one pass over the prompt text. Deterministic: same request, same intent.
@@ -93,6 +97,13 @@ class Classifier:
 
     def __init__(self, config: ClassificationConfig) -> None:
         self.rules = tuple(_compile(r) for r in config.rules)
+        # A rule that only sets residency takes no part in choosing the class.
+        self.class_rules = tuple(
+            r
+            for r in self.rules
+            if r.latency_class is not None or r.deadline is not None or r.residency is None
+        )
+        self.residency_rules = tuple(r for r in self.rules if r.residency is not None)
         self.classes: dict[LatencyClass, ClassConfig] = {**DEFAULT_CLASSES, **config.classes}
         self.default_max_tokens = config.default_max_tokens
 
@@ -107,7 +118,7 @@ class Classifier:
         return int(limit) * (n if isinstance(n, int) and n > 1 else 1)
 
     def classify(self, ctx: RequestContext, tenant: Tenant) -> Intent:
-        rule = next((r for r in self.rules if r.matches(ctx)), None)
+        rule = next((r for r in self.class_rules if r.matches(ctx)), None)
         latency_class: LatencyClass = tenant.default_class
         if rule is not None and rule.latency_class is not None:
             latency_class = rule.latency_class
@@ -121,8 +132,10 @@ class Classifier:
         if client_deadline is not None:
             deadline = min(deadline, client_deadline)
         residency = tenant.residency
-        if rule is not None and rule.residency is not None:
-            residency = rule.residency if residency is None else residency & rule.residency
+        residency_rules = tuple(r for r in self.residency_rules if r.matches(ctx))
+        for matched in residency_rules:
+            assert matched.residency is not None
+            residency = matched.residency if residency is None else residency & matched.residency
         return Intent(
             model=ctx.model,
             latency_class=latency_class,
@@ -133,6 +146,7 @@ class Classifier:
             workflow=ctx.options.workflow,
             residency=residency,
             rule=rule.name if rule is not None else None,
+            residency_rules=tuple(r.name for r in residency_rules),
             capped=capped,
         )
 

@@ -19,8 +19,9 @@ def request_priority(latency_class: LatencyClass, tier_priority: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Intent:
-    """Deterministic summary of a request. `rule` names the rule that set the class (None:
-    the tier's default); `capped` is True when the tier lowered the class a rule asked for.
+    """Deterministic summary of a request. `rule` names the rule that set the class and
+    deadline (None: the tier's default); `residency_rules` the rules that narrowed the
+    tenant's residency; `capped` is True when the tier lowered the class a rule asked for.
     `deadline` is seconds from arrival; `prompt_tokens` is the request's one estimate
     (`ctx.view.prompt_tokens`: characters / `classification.chars_per_token`, plus prompt
     tokens given as ids)."""
@@ -35,6 +36,7 @@ class Intent:
     residency: frozenset[str] | None
     rule: str | None
     capped: bool = False
+    residency_rules: tuple[str, ...] = ()
 
     @property
     def reserved_tokens(self) -> int:
@@ -55,4 +57,5 @@ class Intent:
             if self.workflow is None
             else {"id": self.workflow.id, "step": self.workflow.step, "total": self.workflow.total},
             "residency": None if self.residency is None else sorted(self.residency),
+            "residency_rules": list(self.residency_rules),
         }

@@ -90,7 +90,8 @@ def _chat(content: str, **extra: Any) -> dict[str, Any]:
         ),
         (_ctx(_chat("hi", model="llama-3"), model="llama-3"), None, "standard"),
         (_ctx(_chat("please SUMMARIZE this")), "summaries", "standard"),
-        (_ctx(_chat("GDPR matters")), "eu-only", "standard"),
+        # a rule that only sets residency chooses no class
+        (_ctx(_chat("GDPR matters")), None, "standard"),
         (_ctx(_chat("xGDPRx")), None, "standard"),
         # first matching rule wins: tools beat the big prompt
         (_ctx(_chat("x" * 8000, tools=[{"type": "function"}])), "tools", "interactive"),
@@ -112,7 +113,7 @@ def test_deadlines_residency_and_estimates():
     default = classifier.classify(_ctx(_chat("hi", n=2)), _tenant())
     assert default.max_tokens == 2 * 512 and default.deadline == 600
     eu = classifier.classify(_ctx(_chat("GDPR")), _tenant(residency=["eu", "us"]))
-    assert eu.residency == frozenset({"eu"})
+    assert eu.residency == frozenset({"eu"}) and eu.residency_rules == ("eu-only",)
     tokens = classifier.classify(
         _ctx({"model": "m1", "prompt": [[1, 2, 3], [4, 5]]}, route="completions"), _tenant()
     )
@@ -171,3 +172,25 @@ def test_deterministic():
 def test_routes_that_generate_nothing_reserve_no_output_tokens(route):
     ctx = _ctx({"model": "m1", "input": "abcd", "query": "q", "max_tokens": 99}, route=route)
     assert _classifier().classify(ctx, _tenant()).max_tokens == 0
+
+
+def test_every_matching_residency_rule_narrows_whichever_rule_chose_the_class():
+    """Residency is a constraint: a class rule matched first does not shadow a residency rule
+    after it, and two residency rules intersect (with the tenant's too)."""
+    rules = [
+        {"name": "empty", "when": {"keywords": ["skip"]}, "then": {}},
+        *RULES,
+        {"name": "ch-or-eu", "when": {"keywords": ["Swiss"]}, "then": {"residency": ["ch", "eu"]}},
+    ]
+    classifier = Classifier(ClassificationConfig.model_validate({"rules": rules}))
+    agent = classifier.classify(_ctx(_chat("a GDPR request", tools=[{}])), _tenant())
+    assert (agent.rule, agent.latency_class) == ("tools", "interactive")
+    assert agent.residency == frozenset({"eu"}) and agent.residency_rules == ("eu-only",)
+    both = classifier.classify(_ctx(_chat("Swiss GDPR data")), _tenant())
+    assert both.residency == frozenset({"eu"}) and both.residency_rules == ("eu-only", "ch-or-eu")
+    tenant_ch = classifier.classify(_ctx(_chat("Swiss data")), _tenant(residency=["ch", "us"]))
+    assert tenant_ch.residency == frozenset({"ch"})
+    assert classifier.classify(_ctx(_chat("hi")), _tenant()).residency is None
+    # a rule whose `then` is empty still claims the class slot (the tier's default), as before
+    skipped = classifier.classify(_ctx(_chat("skip this", tools=[{}])), _tenant())
+    assert (skipped.rule, skipped.latency_class) == ("empty", "standard")

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
+import openai
 import orjson
 import pytest
 import yaml
@@ -257,6 +258,52 @@ def test_residency_holds_under_a_policy_whose_filters_leave_it_out(start_gateway
             assert answer.status_code == 200
             served.append(answer.headers["x-kvgate-endpoint"])
         assert served == [eu] * 6
+
+
+def test_a_class_rule_listed_first_does_not_shadow_a_residency_rule(start_gateway):
+    """Residency narrows whatever rule chose the class: an agent's GDPR request matches the
+    class rule first and the residency rule after it, and goes to the EU engine only, streamed
+    (the SDK) or not, and the EU engine's outage refuses it instead of sending it to the US."""
+    key, entry = make_key("acme-1")
+    rules = [
+        {"name": "agents", "when": {"tools": True}, "then": {"class": "interactive"}},
+        {"name": "gdpr", "when": {"regex": r"\bGDPR\b"}, "then": {"residency": ["eu"]}},
+    ]
+    with SimFleet.in_thread(engines=2, options=EngineOptions(profile="fast")) as fleet:
+        config = gateway_config(
+            fleet.urls,
+            auth={"tenants": [tenant("acme", "gold", [entry])]},
+            classification={"rules": rules},
+        )
+        for endpoint, place in zip(config["pools"][0]["endpoints"], ["us", "eu"], strict=True):
+            endpoint["labels"] = {"jurisdiction": place}
+        app, server = start_gateway(config)
+        [eu] = [e.name for e in app.fleet.endpoints if e.labels["jurisdiction"] == "eu"]
+        client = sdk_client(base_url=server.url + "/v1", api_key=key, max_retries=0)
+        tools = [{"type": "function", "function": {"name": "erase", "parameters": {}}}]
+        served = []
+        for i in range(4):
+            raw = client.chat.completions.with_raw_response.create(
+                model="sim-model",
+                max_tokens=2,
+                stream=i % 2 == 1,
+                tools=tools,
+                messages=[{"role": "user", "content": f"Process GDPR erasure request {i}"}],
+            )
+            served.append(raw.headers["x-kvgate-endpoint"])
+            raw.parse()
+        assert served == [eu] * 4
+        us, eu_url = fleet.urls
+        # The EU engine fails every request: no fall-through to the US engine.
+        httpx.post(eu_url + "/sim/faults", json={"mode": "http_error", "status": 503}, timeout=5)
+        with pytest.raises(openai.APIStatusError):
+            client.chat.completions.create(
+                model="sim-model",
+                max_tokens=2,
+                tools=tools,
+                messages=[{"role": "user", "content": "Process GDPR erasure request 9"}],
+            )
+        assert httpx.get(us + "/sim/stats", timeout=5).json()["requests_received"] == 0
 
 
 def test_a_responses_conversation_resent_whole_stays_with_the_engine_holding_it(start_gateway):
