@@ -203,7 +203,7 @@ class GatewayApp:
         response_ids_key = signing_key(config.auth.response_id_secret if config.auth else None)
         self.chain = RequestChain(
             stages=[
-                AuthStage(self.tenants),  # 401 / 403; tenant, cache salt
+                AuthStage(self.tenants, self.fleet.home_engine),  # 401 / 403; tenant, cache salt
                 # 404 for /v1/responses where no engine serves it; previous_response_id: 404
                 # / 503, else pinned to the endpoint that stores it
                 ResponsesStage(self.fleet, response_ids_key),

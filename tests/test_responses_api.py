@@ -127,24 +127,45 @@ def test_responses_is_404_where_the_pool_does_not_serve_it(upstream, start_gatew
     assert engine.inference_requests == []
 
 
-def test_a_pool_flag_opens_responses_and_tenants_get_their_cache_salt(upstream, start_gateway):
+@pytest.mark.parametrize("engine_kind", ["openai", "vllm"])
+def test_a_pool_flag_opens_responses_and_only_vllm_engines_get_the_cache_salt(
+    upstream, start_gateway, engine_kind
+):
+    """A tenant's `cache_salt` is vLLM's field: an `engine: openai` pool (OpenAI's API refuses
+    unknown parameters) gets every request without it, whatever the route, streamed or not,
+    and wherever the client's own `cache_salt` stood in its body; a vLLM pool gets the
+    tenant's salt in place of the client's."""
     engine, engine_server = upstream
     _, server = start_gateway(
         gateway_config(
             [engine_server.url],
-            pool={"engine": "openai", "models": ["m1"], "responses": True},
+            pool={"engine": engine_kind, "models": ["m1"], "responses": True},
             auth={"tenants": [tenant("acme", "gold", [KEY_ENTRY])]},
         )
     )
-    answer = httpx.post(
-        server.url + "/v1/responses",
-        json={"model": "m1", "input": "hi"},
-        headers={"authorization": f"Bearer {KEY}"},
-    )
-    assert answer.status_code == 200
-    received = engine.inference_requests[-1]
-    assert received.path == "/v1/responses" and received.body["input"] == "hi"
-    assert isinstance(received.body["cache_salt"], str)
+    headers = {"authorization": f"Bearer {KEY}", "content-type": "application/json"}
+    message = [{"role": "user", "content": "hi"}]
+    bodies = [
+        ("/v1/responses", {"model": "m1", "input": "hi"}),
+        ("/v1/chat/completions", {"model": "m1", "messages": message}),
+        ("/v1/chat/completions", {"cache_salt": "mine", "model": "m1", "messages": message}),
+        ("/v1/chat/completions", {"model": "m1", "cache_salt": "mine", "messages": message}),
+        ("/v1/chat/completions", {"model": "m1", "messages": message, "stream": True}),
+        ("/v1/completions", {"model": "m1", "prompt": "hi", "cache_salt": "mine"}),
+    ]
+    for path, body in bodies:
+        answer = httpx.post(server.url + path, content=orjson.dumps(body), headers=headers)
+        assert answer.status_code == 200, answer.text
+        received = engine.inference_requests[-1]
+        assert received.path == path
+        salt = received.body.get("cache_salt")
+        if engine_kind == "openai":
+            assert salt is None, received.body
+            assert {k: v for k, v in received.body.items() if k != "stream_options"} == {
+                k: v for k, v in body.items() if k != "cache_salt"
+            }
+        else:
+            assert isinstance(salt, str) and salt != "mine"
 
 
 @pytest.mark.parametrize(

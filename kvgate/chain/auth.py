@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import logging
 import secrets
+from collections.abc import Callable
 
 import orjson
 
 from kvgate.chain.keys import digests_match, parse_key
 from kvgate.chain.tenants import KeyRecord, TenantDirectory
+from kvgate.config import EngineKind
 from kvgate.errors import AuthenticationFailed, PermissionDenied
 from kvgate.request_options import ADMIN_KEY
 from kvgate.types import Headers, RequestContext
@@ -89,16 +91,39 @@ class Authenticator:
         return record
 
 
+def _urgent_priority(value: object, higher_first: bool) -> bool:
+    """Whether `value`, read as the engine reads a `priority` (pydantic's lax int: a whole
+    float, or a numeric string with spaces around it), runs ahead of the default 0: below 0
+    on vLLM, above 0 on SGLang (`higher_first`, its default order). A value the engine
+    cannot read as a number is left for it to refuse."""
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        return False
+    try:
+        number = float(value.strip()) if isinstance(value, str) else float(value)
+    except (ValueError, OverflowError):
+        return False
+    return number > 0 if higher_first else number < 0
+
+
 class AuthStage:
     """Sets `ctx.tenant` and `ctx.key_id`; for tenants with cache isolation, overwrites the
-    body's `cache_salt` with the tenant's salt and sets `ctx.cache_salt` for the prefix index;
-    raises a negative vLLM `priority` (ahead of every request that sets none, other tenants'
-    included, on an engine that schedules by priority) to 0. Either re-serialises the payload
-    once into `ctx.body`."""
+    body's `cache_salt` with the tenant's salt (taken out again for `engine: openai`
+    endpoints, `kvgate.upstream.engine_fields.unsalted`) and sets `ctx.cache_salt` for the
+    prefix index; brings a tenant's `priority` that would run ahead of every request that
+    sets none, other tenants' included, back to 0 (`_urgent_priority`). Either re-serialises
+    the payload once into `ctx.body`.
 
-    def __init__(self, directory: TenantDirectory) -> None:
+    `home_engine(model)`: the engine kind of the model's home pool, which says which way
+    `priority` runs (vLLM: lower first; SGLang: higher first)."""
+
+    def __init__(
+        self,
+        directory: TenantDirectory,
+        home_engine: Callable[[str], EngineKind | None] = lambda model: None,
+    ) -> None:
         self.directory = directory
         self.authenticator = Authenticator(directory)
+        self.home_engine = home_engine
 
     async def __call__(self, ctx: RequestContext) -> None:
         if ctx.options.explain:
@@ -128,7 +153,9 @@ class AuthStage:
             ctx.cache_salt = tenant.cache_salt
             changed = True
         priority = ctx.payload.get("priority")
-        if type(priority) is int and priority < 0:
+        if priority is not None and _urgent_priority(
+            priority, higher_first=self.home_engine(ctx.model) == "sglang"
+        ):
             ctx.payload["priority"] = 0  # no more urgent than a request that sets none
             changed = True
         if changed:

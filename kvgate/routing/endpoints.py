@@ -323,6 +323,11 @@ class Fleet:
         """The first pool (in config order) with an endpoint serving `model`."""
         return self._home_pool.get(model)
 
+    def home_engine(self, model: str) -> EngineKind | None:
+        """The engine kind of `model`'s home pool (None: no pool serves it)."""
+        pool = self._home_pool.get(model)
+        return next((p.engine for p in self.pools if p.name == pool), None)
+
     def candidates(self, model: str) -> list[Endpoint]:
         """Endpoints in rotation serving `model`: healthy ones, and every endpoint of a pool in
         panic (possibly empty)."""

@@ -36,6 +36,7 @@ from kvgate.routing.endpoints import Endpoint
 from kvgate.types import Headers, RequestContext
 from kvgate.upstream.answer_usage import answer_usage, parsed_usage
 from kvgate.upstream.attempts import judge
+from kvgate.upstream.engine_fields import unsalted
 from kvgate.upstream.failures import Phase, attempt_failure
 from kvgate.upstream.headers import upstream_headers
 from kvgate.upstream.moving_deadline import TIMER_RESOLUTION, MovingDeadline
@@ -98,6 +99,9 @@ class AttemptRelay:
             raise Throttled
         ctx.attempts += 1
         span = None if ctx.trace is None else ctx.trace.attempt(endpoint)
+        sent = ctx.body if body is None else body
+        if ctx.cache_salt is not None and endpoint.engine == "openai":
+            sent = unsalted(sent, ctx.cache_salt)
         request = _Request(
             endpoint.url + ctx.upstream_path,
             upstream_headers(
@@ -106,7 +110,7 @@ class AttemptRelay:
                 endpoint.auth_header,
                 None if span is None else span.headers(),
             ),
-            ctx.body if body is None else body,
+            sent,
             limits.connect,
             PROMPT_PARAMS.get(ctx.route, "messages"),
             ctx.method,

@@ -4,6 +4,7 @@ an engine for an isolated tenant: the gateway's per-tenant salt does."""
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from kvgate.chain.tenants import cache_salt_for
 from kvgate.ingress import request_context
@@ -62,15 +63,37 @@ def test_client_cache_salt_is_overwritten_and_headers_do_not_travel(upstream, st
     assert received.body["messages"] == [{"role": "user", "content": "hi"}]
 
 
-def test_a_tenant_cannot_put_its_requests_ahead_with_the_engines_priority(upstream, start_gateway):
-    """vLLM's `priority` (lower runs first, on an engine scheduling by priority) is the
-    client's to lower, not to raise above a request that sets none; an open gateway has no
+def _config_on(url: str, engine_kind: str) -> dict:
+    config = _config(url)
+    config["pools"][0]["engine"] = engine_kind
+    return config
+
+
+@pytest.mark.parametrize(
+    ("engine_kind", "sent", "received"),
+    [
+        # vLLM: lower runs first; read as pydantic's lax int reads it
+        (
+            "vllm",
+            [-100, 5, 0, -5.0, "-5", " -7", -0.5, "x", True],
+            [0, 5, 0, 0, 0, 0, 0, "x", True],
+        ),
+        # SGLang: higher runs first (its default order)
+        ("sglang", [1000, "3", 2.0, -5, 0], [0, 0, 0, -5, 0]),
+    ],
+)
+def test_a_tenant_cannot_put_its_requests_ahead_with_the_engines_priority(
+    upstream, start_gateway, engine_kind, sent, received
+):
+    """The engine's `priority` is the client's to lower, not to raise above a request that
+    sets none: a value the engine would read as more urgent than 0 (vLLM: below; SGLang:
+    above; as a whole float or a numeric string too) is sent as 0. An open gateway has no
     tenants to keep apart and passes it on."""
     engine, up = upstream
-    _, server = start_gateway(_config(up.url))
-    for given in (-100, 5, 0):
+    _, server = start_gateway(_config_on(up.url, engine_kind))
+    for given in sent:
         assert chat(server.url, BRONZE, priority=given).status_code == 200
-    assert [r.body["priority"] for r in engine.inference_requests] == [0, 5, 0]
+    assert [r.body["priority"] for r in engine.inference_requests] == received
     _, open_server = start_gateway(gateway_config([up.url], pool={"models": ["m1"]}))
     chat(open_server.url, None, priority=-100)
     assert engine.inference_requests[-1].body["priority"] == -100
