@@ -343,6 +343,10 @@ class AttemptRelay:
                 )
             except SseProtocolError as exc:
                 error = UpstreamProtocolError(str(exc), code="upstream_malformed_event")
+            except BaseException:
+                # Cancelled (the client left) or a send failed: what it was sent is charged.
+                ctx.relayed_events += scanner.data_events
+                raise
             else:
                 ctx.relayed_events += scanner.data_events
                 if ctx.response_id is None:  # a stored response's usage counted when it was made

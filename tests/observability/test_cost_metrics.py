@@ -130,6 +130,44 @@ def test_a_failed_request_costs_without_success(start_gateway):
     assert sample_value(text, "kvgate_successful_tasks_total", **_LABELS, kind="request") is None
 
 
+def test_a_stream_the_client_leaves_is_charged_what_it_received(start_gateway):
+    """A client that closes a stream after some events is charged, in quota and dollars, its
+    estimated prompt plus one token per event relayed (docs/tenants.md), not nothing: else
+    leaving just before the end would take any number of tokens past the quota."""
+    with SimFleet.in_thread(engines=1, options=EngineOptions(profile="realistic")) as fleet:
+        config = gateway_config(fleet.urls, auth=_auth(), pool={"price": _PRICE})
+        _, server = start_gateway(config)
+        body = {
+            "model": "sim-model",
+            "max_tokens": 200,
+            "ignore_eos": True,
+            "stream": True,
+            "messages": [{"role": "user", "content": "tell me a long story"}],
+        }
+        received = 0
+        with httpx.stream(
+            "POST",
+            server.url + "/v1/chat/completions",
+            json=body,
+            headers={"authorization": f"Bearer {KEY}"},
+            timeout=30,
+        ) as answer:
+            for line in answer.iter_lines():
+                received += line.startswith("data: {")
+                if received == 20:
+                    break
+        deadline = time.monotonic() + 5
+        while True:
+            text = httpx.get(server.url + "/metrics", timeout=5).text
+            settled = sample_value(text, "kvgate_quota_settled_tokens_total", tenant="ops")
+            if settled or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+    assert settled is not None and settled >= received
+    cost = sample_value(text, "kvgate_cost_dollars_total", **_LABELS)
+    assert cost is not None and cost >= received * _PRICE["output_per_mtok"] * 1e-6
+
+
 def test_inter_token_latency_counts_the_gaps_of_a_stream(start_gateway):
     with SimFleet.in_thread(engines=1, options=EngineOptions(profile="realistic")) as fleet:
         _, server = start_gateway(gateway_config(fleet.urls))
