@@ -29,6 +29,7 @@ stream event.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -92,7 +93,13 @@ class KvgateError(Exception):
     def headers(self) -> list[tuple[bytes, bytes]]:
         if self.retry_after is None:
             return []
-        return [(b"retry-after", str(max(1, round(self.retry_after))).encode())]
+        return [(b"retry-after", str(retry_after_seconds(self.retry_after)).encode())]
+
+
+def retry_after_seconds(wait: float) -> int:
+    """`Retry-After`'s whole seconds for a wait of `wait` seconds: rounded up (a client that
+    waits what it is told must find the room there), at least 1."""
+    return max(1, math.ceil(wait))
 
 
 class ClientError(KvgateError):

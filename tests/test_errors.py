@@ -178,3 +178,9 @@ def test_a_broken_engine_connection_is_described_without_library_names(upstream,
     assert last["code"] == "upstream_connection_lost" and last["type"] == "server_error"
     assert not CLASS_NAME.search(last["message"]), last["message"]
     assert "httptools" not in last["message"] and "asyncio" not in last["message"]
+
+
+@pytest.mark.parametrize(("wait", "header"), [(0.2, b"1"), (2.0, b"2"), (2.1, b"3"), (20.6, b"21")])
+def test_retry_after_rounds_the_wait_up(wait, header):
+    """A client that waits the whole seconds it is told finds the room there: 2.1 s is 3."""
+    assert RateLimited("limited", retry_after=wait).headers() == [(b"retry-after", header)]

@@ -51,7 +51,7 @@ from kvgate.chain.predict import DurationPredictor
 from kvgate.chain.queues import AdmissionQueue, QueueKey, Waiter
 from kvgate.chain.settings import AdmissionConfig
 from kvgate.chain.tenants import Tenant
-from kvgate.errors import InvalidRequest, Overloaded, RateLimited
+from kvgate.errors import InvalidRequest, Overloaded, RateLimited, retry_after_seconds
 from kvgate.state.quotas import QuotaExceeded, QuotaStore, QuotaTooSmall, Reservation
 from kvgate.types import RequestContext
 
@@ -156,7 +156,7 @@ class AdmissionController:
         self.observer.quota_rejected(tenant.name, limit)
         return RateLimited(
             f"Rate limit reached for this API key: {limit}; retry after "
-            f"{max(1, round(retry_after))} s",
+            f"{retry_after_seconds(retry_after)} s",
             code=f"{limit}_exceeded",
             retry_after=retry_after,
         )
