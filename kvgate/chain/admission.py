@@ -231,9 +231,11 @@ class AdmissionController:
             raise self._shed(
                 waiter, "deadline_unmeetable", "This request cannot start before its deadline"
             )
+        # Which limit ends the wait: the deadline (less the predicted run) or the class's.
+        deadline_ends_it = True
         max_wait = self.classifier.max_queue_wait(intent.latency_class)
-        if max_wait is not None:
-            wait_until = min(wait_until, waiter.enqueued + max_wait)
+        if max_wait is not None and waiter.enqueued + max_wait < wait_until:
+            wait_until, deadline_ends_it = waiter.enqueued + max_wait, False
         self._make_room(waiter)
         self._enqueue(waiter)
         span = None if ctx.trace is None else ctx.trace.span("kvgate.admission.wait")
@@ -247,11 +249,17 @@ class AdmissionController:
                     # What held it was the tenant's own concurrency, not the fleet: a 429,
                     # as every limit of the tenant's is.
                     raise self._limited(tenant, "max_concurrent", self._retry_after()) from None
+                if deadline_ends_it:
+                    raise self._shed(
+                        waiter,
+                        "deadline_unmeetable",
+                        "No capacity became free in time for this request to finish by its "
+                        "deadline",
+                    ) from None
                 raise self._shed(
                     waiter,
                     "queue_timeout",
-                    "No capacity became free before this request's deadline or "
-                    "its class's longest wait",
+                    "No capacity became free within this request's class's longest wait",
                 ) from None
         finally:
             waiter.resumed.set()

@@ -151,7 +151,11 @@ def test_queue_wait_limit_and_unmeetable_deadline_are_503(upstream, start_gatewa
     )
     url = server.url + "/v1/chat/completions"
 
-    async def scenario() -> tuple[httpx.Response, httpx.Response]:
+    # Meetable when it arrives, and no longer 0.3 s later, while the hold still runs: its
+    # deadline ends the wait, not the class's 60 s.
+    expiring = app.admission.predicted_duration("m1", 512) + 0.3
+
+    async def scenario() -> tuple[httpx.Response, ...]:
         async with httpx.AsyncClient(timeout=20) as client:
             hold = asyncio.ensure_future(client.post(url, json=_body("hold")))
             await _until(lambda: len(engine.inference_requests) == 1)
@@ -159,13 +163,18 @@ def test_queue_wait_limit_and_unmeetable_deadline_are_503(upstream, start_gatewa
             unmeetable = await client.post(
                 url, json=_body("tight"), headers={"x-kvgate-deadline": "3"}
             )
+            expired = await client.post(
+                url, json=_body("expiring"), headers={"x-kvgate-deadline": f"{expiring:.3f}"}
+            )
             await hold
-            return timed_out, unmeetable
+            return timed_out, unmeetable, expired
 
-    timed_out, unmeetable = asyncio.run(scenario())
+    timed_out, unmeetable, expired = asyncio.run(scenario())
     assert timed_out.status_code == 503 and timed_out.json()["error"]["code"] == "queue_timeout"
     assert unmeetable.status_code == 503
     assert unmeetable.json()["error"]["code"] == "deadline_unmeetable"
+    assert expired.status_code == 503
+    assert expired.json()["error"]["code"] == "deadline_unmeetable", expired.json()
     assert _tags(engine) == ["hold"]
     assert admission_state(app, server) == IDLE
 
