@@ -169,9 +169,15 @@ class AuthStage:
             return True
         if admin_key is None:
             return False
-        record = self.authenticator.verify_token(admin_key)
+        try:
+            record = self.authenticator.verify_token(admin_key)
+        except AuthenticationFailed as refused:
+            refused.param = ADMIN_KEY.decode()  # the header whose key was refused
+            raise
         if record.tenant is not None:
             raise PermissionDenied(
-                f"{ADMIN_KEY.decode()} needs an admin key", code="admin_key_required"
+                f"{ADMIN_KEY.decode()} needs an admin key",
+                param=ADMIN_KEY.decode(),
+                code="admin_key_required",
             )
         return True

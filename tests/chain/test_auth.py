@@ -321,6 +321,8 @@ def test_explain_needs_an_admin_key(upstream, keyed, admin_key, status, explaine
         headers["x-kvgate-admin-key"] = admin_key
     response = chat(keyed.url, GOOD, headers=headers)
     assert response.status_code == status
+    if status != 200:  # the refused credential's header is named
+        assert response.json()["error"]["param"] == "x-kvgate-admin-key"
     assert ("x-kvgate-route-explain" in response.headers) == explained
     assert len(engine.inference_requests) == (1 if status == 200 else 0)
     if explained:
