@@ -11,12 +11,15 @@ import httpx
 import openai
 import orjson
 import pytest
+import yaml
 
 from kvgate.sim import EngineOptions, SimFleet
 from tests.chain.helpers import make_key, tenant
 from tests.conftest import gateway_config
 from tests.metrics_text import sample_value
 from tests.sdk_clients import sdk_client
+from tests.servers import ServerThread
+from tests.upstreams import ScriptedUpstream
 
 KEY, KEY_ENTRY = make_key("acme-1")
 
@@ -110,6 +113,39 @@ def test_an_engines_responses_error_event_ends_the_stream_once(upstream, start_g
     assert events[-1].message == "engine blew up"
     assert [e.sequence_number for e in events] == [0, 1]
     assert len(engine.inference_requests) == 1
+
+
+def test_responses_go_only_to_pools_that_serve_them(upstream, start_gateway, tmp_path):
+    """A policy spreading a model over a vLLM pool and an SGLang one (which serves no
+    Responses API) sends `/v1/responses` to the vLLM pool only; chat still uses both."""
+    engine, engine_server = upstream
+    policy = tmp_path / "both.yaml"
+    policy.write_text(
+        yaml.safe_dump({"name": "both", "pools": ["g1", "g2"], "picker": "round_robin"})
+    )
+    other = ScriptedUpstream()
+    with ServerThread(other) as other_server:
+        config = gateway_config(
+            [engine_server.url], pool={"name": "g1", "models": ["m1"], "policy": str(policy)}
+        )
+        config["pools"].append(
+            {
+                "name": "g2",
+                "engine": "sglang",
+                "models": ["m1"],
+                "endpoints": [{"url": other_server.url}],
+            }
+        )
+        _, server = start_gateway(config)
+        client = sdk_client(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        for i in range(4):
+            client.responses.create(model="m1", input=f"hi {i}")
+        for i in range(2):
+            client.chat.completions.create(
+                model="m1", messages=[{"role": "user", "content": f"hi {i}"}]
+            )
+    assert {r.path for r in other.inference_requests} == {"/v1/chat/completions"}
+    assert [r.path for r in engine.inference_requests].count("/v1/responses") == 4
 
 
 def test_responses_is_404_where_the_pool_does_not_serve_it(upstream, start_gateway):

@@ -323,6 +323,10 @@ class Fleet:
         """The first pool (in config order) with an endpoint serving `model`."""
         return self._home_pool.get(model)
 
+    def serves_responses(self, pool: str) -> bool:
+        """Whether pool `pool`'s engines serve `POST /v1/responses` (`pools[].responses`)."""
+        return any(p.serves_responses for p in self.pools if p.name == pool)
+
     def home_engine(self, model: str) -> EngineKind | None:
         """The engine kind of `model`'s home pool (None: no pool serves it)."""
         pool = self._home_pool.get(model)

@@ -176,6 +176,8 @@ class PolicyPicker:
         taken: str = "",
     ) -> Endpoint:
         """`taken`: why the decision is not the policy's first choice (explained)."""
+        if ctx.route == "responses":  # only pools whose engines serve the Responses API
+            pools = [name for name in pools if self.fleet.serves_responses(name)]
         endpoints = routable_candidates(self.fleet, ctx.model, exclude, pools)
         if profile.uses_prefix and ctx.prefix is None:
             ctx.prefix = self.services.prefix_match(ctx)
