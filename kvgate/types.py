@@ -101,6 +101,9 @@ class RequestContext:
     attempts: int = 0
     resumes: int = 0
     resume_overhead_tokens: int = 0
+    # The model the client asked for, when a policy's fallback model serves the request
+    # instead (`ctx.model` is then the fallback; kvgate/routing/router.py).
+    fallback_from: str | None = None
     # The model the engine named in the answer it reported usage with (None: not reported).
     response_model: str | None = None
     # This request's trace (kvgate/observability/request_trace.py); None when tracing is off (then

@@ -269,6 +269,10 @@ def _explain(
     prefix = ctx.prefix
     now = time.monotonic()
     parts = [f"policy={policy}; rule={rule}; objective={profile.objective}"]
+    if ctx.fallback_from is not None:
+        parts[0] += (
+            f"; fallback_model={ctx.model} (every endpoint of {ctx.fallback_from} saturated)"
+        )
     if taken:
         parts[0] += f"; {taken}"
     if prefix is not None:
@@ -373,7 +377,7 @@ class ModelFallbackStage:
             return
         if ctx.tenant is not None and not ctx.tenant.may_use(model):
             return
-        ctx.model = model
+        ctx.fallback_from, ctx.model = ctx.model, model
         ctx.payload["model"] = model
         ctx.body = orjson.dumps(ctx.payload)
         if ctx.intent is not None:

@@ -125,10 +125,14 @@ def test_when_saturated_queue_reject_and_fallbacks():
     assert "saturated (every candidate; when_saturated=queue)" in explained
 
 
-def _fallback_router(a, small, model: str) -> tuple[PoolRouter, PolicyPicker]:
+def _fallback_router(
+    a, small, model: str, explain: str = "never"
+) -> tuple[PoolRouter, PolicyPicker]:
     """Pool `p` (endpoint `a`, a policy falling back to `model`) and pool `spare` (`small`,
     kvgate's policy), and the picker of `p`."""
-    picker, services = _picker(a, small, policy=build_policy({"fallback": {"model": model}}, "p"))
+    picker, services = _picker(
+        a, small, policy=build_policy({"fallback": {"model": model}}, "p"), explain=explain
+    )
     spare = PolicyPicker(picker.fleet, "spare", builtin_policy("kvgate"), services)
     return PoolRouter(picker.fleet, {"p": picker, "spare": spare}), picker
 
@@ -143,12 +147,15 @@ async def _model_after_fallback(router: PoolRouter, request=None) -> str:
 async def test_model_fallback_is_settled_before_admission_and_picking_follows():
     a = endpoint("a", telemetry=telemetry(waiting=9))
     small = endpoint("small", model="m-small", pool="spare")
-    router, to_model = _fallback_router(a, small, "m-small")
-    request = ctx()
+    router, to_model = _fallback_router(a, small, "m-small", explain="always")
+    request = ctx(headers=[(b"x-kvgate-explain", b"1")])
     assert to_model.choose(request) is a  # picking alone never changes the model
+    request.response_headers.clear()
     assert await _model_after_fallback(router, request) == "m-small"
     assert request.payload["model"] == "m-small" and b'"m-small"' in request.body
     assert router.choose(request) is small
+    explained = dict(request.response_headers)[b"x-kvgate-route-explain"].decode()
+    assert "fallback_model=m-small (every endpoint of m saturated)" in explained
     a.telemetry = telemetry(waiting=0)
     assert await _model_after_fallback(router) == "m"  # not saturated
     # No endpoint to use at all is not saturation: the request keeps its model (and gets
