@@ -96,6 +96,7 @@ class MetricsUpstream:
         self.metrics_up = True
         self.requests = 0
         self.kv_usage = 0.0
+        self.waiting = 0
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -110,8 +111,8 @@ class MetricsUpstream:
             status = 200 if self.metrics_up else 503
             body = (
                 b'vllm:num_requests_running{engine="0"} 0\n'
-                b'vllm:num_requests_waiting{engine="0"} 0\n'
-                b'vllm:kv_cache_usage_perc{engine="0"} %f\n' % self.kv_usage
+                b'vllm:num_requests_waiting{engine="0"} %d\n'
+                b'vllm:kv_cache_usage_perc{engine="0"} %f\n' % (self.waiting, self.kv_usage)
             )
         elif path == "/v1/models":
             body = orjson.dumps({"object": "list", "data": [{"id": "m1", "object": "model"}]})
@@ -219,6 +220,56 @@ def test_a_full_kv_cache_alone_holds_nothing_in_the_gateway(start_gateway, max_k
         )
         assert waited == (None if max_kv_usage is None else 1.0)
         assert len(app.admission.queue) == 0
+
+
+def test_a_saturated_home_region_holds_its_tenants_despite_a_fallback_pool_elsewhere(
+    start_gateway, tmp_path
+):
+    """A tenant kept to the EU waits in the gateway when the EU pool is saturated, though the
+    policy falls back to a US pool the tenant may not use: the fallback does not count as
+    room for it, and nothing reaches the saturated engine until it has room again."""
+    key, entry = make_key("globex-1")
+    globex = tenant("globex", "silver", [entry], residency=["eu"])
+    policy = tmp_path / "spill.yaml"
+    policy.write_text(yaml.safe_dump({"name": "spill", "fallback": {"pool": "us"}}))
+    eu_engine, us_engine = MetricsUpstream(), MetricsUpstream()
+    eu_engine.waiting = 100
+    with ServerThread(eu_engine) as eu, ServerThread(us_engine) as us:
+        config = gateway_config(
+            [],
+            pool={
+                "name": "eu",
+                "models": ["m1"],
+                "policy": str(policy),
+                "endpoints": [{"url": eu.url, "labels": {"jurisdiction": "eu"}}],
+            },
+            auth={"tenants": [globex]},
+            routing={"scrape_interval": 0.1},
+        )
+        config["pools"].append(
+            {
+                "name": "us",
+                "models": ["m1"],
+                "endpoints": [{"url": us.url, "labels": {"jurisdiction": "us"}}],
+            }
+        )
+        app, server = start_gateway(config)
+        home = app.fleet.endpoints[0]
+        _wait(lambda: home.telemetry is not None and home.telemetry.waiting == 100)
+        body = {"model": "m1", "messages": [{"role": "user", "content": "hello"}]}
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(
+                httpx.post,
+                server.url + "/v1/chat/completions",
+                json=body,
+                headers={"authorization": f"Bearer {key}"},
+                timeout=30,
+            )
+            _wait(lambda: len(app.admission.queue) == 1)
+            assert eu_engine.requests == us_engine.requests == 0  # held in the gateway
+            eu_engine.waiting = 0
+            assert answer.result().status_code == 200
+        assert (eu_engine.requests, us_engine.requests) == (1, 0)
 
 
 @pytest.mark.parametrize("where", ["policy", "rule"])
