@@ -152,7 +152,13 @@ class RedisQuotaStore:
                 share,
                 self.stats.local_fallbacks,
             )
-        return await self.local.reserve(tenant, local_limits, tokens)
+        try:
+            return await self.local.reserve(tenant, local_limits, tokens)
+        except QuotaTooSmall:
+            # Within the tenant's limit (checked above), over this replica's share of it: a
+            # 429 the client retries once Redis is back (probed again within `max_open`), not
+            # a 400 telling it to shrink a request the gateway will take then.
+            raise QuotaExceeded("tokens_per_minute", self.link.breaker.max_open) from None
 
     def _close(self, reservation: Reservation) -> SharedReservation | None:
         if not isinstance(reservation, SharedReservation):

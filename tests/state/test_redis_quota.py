@@ -114,3 +114,22 @@ async def test_redis_lost_falls_back_to_a_local_share(redis_server):
     assert taken == 10
     assert store.stats.local_fallbacks == 11
     await store.link.close()
+
+
+async def test_a_request_within_the_limit_but_over_the_local_share_is_a_retryable_429(
+    redis_server,
+):
+    """While Redis is lost a replica enforces its share (limit ÷ replicas): a request that fits
+    the tenant's limit but not the share is told to retry (429, QuotaExceeded), never that it
+    is too big for the quota (400, QuotaTooSmall); one over the whole limit still is."""
+    store = _store(redis_server.url, replicas=2)
+    limits = QuotaLimits(tokens_per_minute=3000)
+    store.release(await store.reserve("t", limits, 2000))
+    redis_server.stop()
+    with pytest.raises(QuotaExceeded) as info:
+        await store.reserve("t", limits, 2000)
+    assert info.value.limit == "tokens_per_minute" and info.value.retry_after > 0
+    with pytest.raises(QuotaTooSmall):
+        await store.reserve("t", limits, 3001)
+    assert store.stats.local_fallbacks == 1
+    await store.link.close()
