@@ -210,6 +210,17 @@ def test_total_deadline_for_unary(upstream, start_gateway):
     assert response.json()["error"]["code"] == "deadline_exceeded"
 
 
+def test_a_deadline_before_the_engine_answers_a_stream_is_the_deadlines(upstream, start_gateway):
+    """A stream whose total deadline passes before the engine sends its headers ends with
+    `deadline_exceeded` (the limit that fired), not the engine's first-token timeout."""
+    engine, server_thread = upstream
+    engine.script.headers_delay = 5
+    _, server = start_gateway(gateway_config([server_thread.url], timeouts={"total": 0.3}))
+    response = httpx.post(server.url + "/v1/chat/completions", json=CHAT)
+    assert response.status_code == 504
+    assert response.json()["error"]["code"] == "deadline_exceeded"
+
+
 def test_total_deadline_covers_an_engine_error_body_that_stalls(start_gateway):
     async def stalling_error(scope, receive, send):  # a 500 whose body never ends
         if scope["type"] != "http":

@@ -162,9 +162,12 @@ class AttemptRelay:
                 span.end("interrupted")  # the client left, a drain ended the request, or a bug
 
     @asynccontextmanager
-    async def _opened(self, request: _Request, until: float) -> AsyncIterator[UpstreamResponse]:
+    async def _opened(
+        self, request: _Request, until: float, deadline: float
+    ) -> AsyncIterator[UpstreamResponse]:
         """A stream's response once its status and headers arrived (by `until`, the first-token
-        deadline), closed when the block ends, however it ends."""
+        deadline, at most the request's `deadline`), closed when the block ends, however it
+        ends."""
         try:
             async with asyncio.timeout_at(until):
                 response = await self.transport.open(
@@ -174,7 +177,9 @@ class AttemptRelay:
                     request.connect_timeout,
                     request.method,
                 )
-        except (TimeoutError, TransportError) as failure:
+        except TimeoutError as expired:
+            raise _timed_out(expired, deadline, "first_token") from None
+        except TransportError as failure:
             raise attempt_failure(failure, "first_token") from None
         request.body = b""
         try:
@@ -266,7 +271,7 @@ class AttemptRelay:
         record: AttemptRecord,
         transcript: StreamTranscript | None,
     ) -> None:
-        async with self._opened(request, first_token_until) as response:
+        async with self._opened(request, first_token_until, deadline) as response:
             await self._expect_stream(response, request)
             loop = asyncio.get_running_loop()
             scanner = SseScanner(strip_usage=ctx.strip_usage)
@@ -330,10 +335,7 @@ class AttemptRelay:
                         if request.ids is not None:
                             await _send_body(send, request.ids.flush())
             except TimeoutError as expired:
-                # A timer may fire up to its resolution early: one that fires that close to
-                # the total deadline is the deadline's.
-                at_deadline = loop.time() + TIMER_RESOLUTION >= deadline
-                error = attempt_failure(expired, "total" if at_deadline else phase)
+                error = _timed_out(expired, deadline, phase)
             except TransportError as failure:
                 error = attempt_failure(failure, phase)
             except StopAsyncIteration:
@@ -371,6 +373,14 @@ class AttemptRelay:
             if ctx.committed:
                 raise StreamBroken(error)
             raise error
+
+
+def _timed_out(expired: TimeoutError, deadline: float, phase: Phase) -> KvgateError:
+    """The error for a timer that expired in `phase`: the request's own deadline's when it
+    fired at that deadline (a timer may fire up to its resolution early), so a client's short
+    deadline is never reported as the engine's slowness."""
+    at_deadline = asyncio.get_running_loop().time() + TIMER_RESOLUTION >= deadline
+    return attempt_failure(expired, "total" if at_deadline else phase)
 
 
 async def _commit(ctx: RequestContext, send: Send, first: bytes) -> None:
