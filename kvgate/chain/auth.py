@@ -39,6 +39,15 @@ def _bearer_token(headers: Headers) -> bytes | None:
     return None
 
 
+class RevokedKey(AuthenticationFailed):
+    """A configured key that was revoked: 401, and its id for the access log (a key rotation
+    is when an operator reads those lines)."""
+
+    def __init__(self, key_id: str) -> None:
+        super().__init__("This API key has been revoked", code="revoked_api_key")
+        self.key_id = key_id
+
+
 class Authenticator:
     """Checks a presented key against the directory; the only place secrets are compared."""
 
@@ -80,7 +89,7 @@ class Authenticator:
             raise AuthenticationFailed("Incorrect API key provided", code="invalid_api_key")
         if record.revoked:
             log.info("rejected revoked API key id %s", record.key_id)
-            raise AuthenticationFailed("This API key has been revoked", code="revoked_api_key")
+            raise RevokedKey(record.key_id)
         return record
 
     def verify_admin(self, headers: Headers) -> KeyRecord:
@@ -131,7 +140,11 @@ class AuthStage:
         if self.directory.open:
             ctx.tenant = self.directory.anonymous
             return
-        record = self.authenticator.verify(ctx.client_headers)
+        try:
+            record = self.authenticator.verify(ctx.client_headers)
+        except RevokedKey as revoked:
+            ctx.key_id = revoked.key_id
+            raise
         tenant = record.tenant
         if tenant is None:
             raise PermissionDenied(

@@ -355,3 +355,21 @@ def test_access_log_names_tenant_key_and_endpoint_never_secret_or_prompt(
     assert (record["tenant"], record["key_id"], record["status"]) == ("acme", "acme-1", 200)
     assert record["endpoint"] == "default-0" and record["attempts"] == 1
     assert GOOD.partition(".")[2] not in line and "private prompt" not in line
+    # A revoked key's line names it (a key rotation is when these lines are read).
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="kvgate.access"):
+        refused = httpx.post(
+            server.url + "/v1/chat/completions",
+            timeout=10,
+            headers={"authorization": f"Bearer {REVOKED}"},
+            json={"model": "m1", "messages": [{"role": "user", "content": "hi"}]},
+        )
+        assert refused.status_code == 401
+        deadline = time.monotonic() + 5
+        while not any(r.name == "kvgate.access" for r in caplog.records):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    line = next(r.getMessage() for r in caplog.records if r.name == "kvgate.access")
+    revoked = json.loads(line)
+    assert (revoked["key_id"], revoked["outcome"]) == (REVOKED.partition(".")[0], "revoked_api_key")
+    assert REVOKED.partition(".")[2] not in line
