@@ -516,11 +516,45 @@ def _cross_check(sections: dict[str, Any]) -> list[str]:
             problems.append("resilience.breaker.max_ejection: must be at least base_ejection")
     if "auth" in sections and "tiers" in sections:
         problems.extend(cross_check_chain(sections["auth"], sections["tiers"]))
+    if "pools" in sections:
+        problems.extend(_unlabelled_residencies(sections))
     return problems
 
 
+def _unlabelled_residencies(sections: dict[str, Any]) -> list[str]:
+    """A residency (a tenant's, or a classification rule's) naming a place no endpoint's label
+    has: a typo, or a region not configured yet, whose requests would all be refused (503
+    `no_eligible_endpoint`). Any label counts, as the jurisdiction filter may read another."""
+    places = {
+        value for pool in sections["pools"] for e in pool.endpoints for value in e.labels.values()
+    }
+    named: list[tuple[str, list[str]]] = []
+    auth: AuthConfig | None = sections.get("auth")
+    if auth is not None:
+        named += [
+            (f"auth.tenants[{i}].residency", tenant.residency)
+            for i, tenant in enumerate(auth.tenants)
+            if tenant.residency is not None
+        ]
+    classification: ClassificationConfig | None = sections.get("classification")
+    if classification is not None:
+        named += [
+            (f"classification.rules[{i}].then.residency", rule.then.residency)
+            for i, rule in enumerate(classification.rules)
+            if rule.then.residency is not None
+        ]
+    return [
+        f"{where}: no endpoint has a label '{place}' (set it on the endpoints of that "
+        "jurisdiction, e.g. labels: {jurisdiction: " + place + "}); every request kept there "
+        "would be refused"
+        for where, residency in named
+        for place in residency
+        if place not in places
+    ]
+
+
 # The sections the checks between sections read.
-_CROSS_CHECKED = ("state", "pools", "resilience", "auth", "tiers")
+_CROSS_CHECKED = ("state", "pools", "resilience", "auth", "tiers", "classification")
 
 
 def _valid_sections(data: dict[str, Any], invalid: set[Any]) -> dict[str, Any]:

@@ -230,6 +230,41 @@ def test_two_keys_with_one_secret_are_refused(tmp_path):
     assert f"auth.admin_keys[0].sha256: {same}" in problems
 
 
+def test_a_residency_no_endpoint_is_labelled_with_is_refused(tmp_path):
+    """A tenant's or a rule's residency naming a place no endpoint's label has (a typo, `ue`
+    for `eu`) would refuse every request kept there: the config is refused and the place is
+    named. A place carried by another label (the jurisdiction filter may read `region`) and
+    a residency without any tenants' traffic elsewhere are fine."""
+    problems = _problems(
+        tmp_path,
+        f"""\
+        auth:
+          tenants:
+            - name: acme
+              keys: [{{id: a1, sha256: "{"c1" * 32}"}}]
+              residency: [ue, eu]
+            - name: other
+              keys: [{{id: o1, sha256: "{"c2" * 32}"}}]
+              residency: [eu-west]
+        classification:
+          rules:
+            - {{name: mars, when: {{regex: Mars}}, then: {{residency: [mars]}}}}
+            - {{name: eu, when: {{regex: GDPR}}, then: {{residency: [eu]}}}}
+        pools:
+          - name: a
+            endpoints:
+              - {{url: "http://h:1", labels: {{jurisdiction: eu}}}}
+              - {{url: "http://h:2", labels: {{region: eu-west}}}}
+        """,
+    )
+    assert [p.partition(":")[0] for p in problems] == [
+        "auth.tenants[0].residency",
+        "classification.rules[0].then.residency",
+    ], problems
+    assert "no endpoint has a label 'ue'" in problems[0]
+    assert "no endpoint has a label 'mars'" in problems[1]
+
+
 def test_invalid_yaml_names_the_line(tmp_path):
     problems = _problems(tmp_path, "pools: [\n  - name: a\n")
     assert problems[0].startswith("line ")
