@@ -121,13 +121,18 @@ class AdmissionController:
                 raise self._limited(tenant, "max_concurrent", 1.0)
             self._start(ctx, tenant)
             return
-        if (
-            below_cap
-            and not self.queue.waiting_at_or_above(key, rank, self._below_cap)
-            and self.capacity.has_capacity(*key)
-        ):
+        room = self.capacity.has_capacity(*key)
+        if below_cap and room and not self.queue.waiting_at_or_above(key, rank, self._below_cap):
             self._start(ctx, tenant)
             return
+        if not room and ctx.pinned is None and self.capacity.rejects_when_saturated(ctx):
+            # The policy says a saturated fleet is a refusal, not a wait.
+            self.observer.shed(intent.latency_class, "all_endpoints_saturated")
+            raise Overloaded(
+                f"Every endpoint serving '{ctx.model}' is saturated; retry later",
+                code="all_endpoints_saturated",
+                retry_after=self._retry_after(),
+            )
         await self._wait(ctx, tenant, intent, key, rank)
 
     def check_open(self) -> None:

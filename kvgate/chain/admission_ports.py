@@ -20,6 +20,11 @@ class Capacity(Protocol):
         503)."""
         ...
 
+    def rejects_when_saturated(self, ctx: RequestContext) -> bool:
+        """Whether `ctx`'s routing policy answers 503 `all_endpoints_saturated` rather than
+        have the request wait when every endpoint is saturated (`when_saturated: reject`)."""
+        ...
+
     def uncached_tokens(self, ctx: RequestContext) -> int:
         """The prompt tokens the best-placed endpoint would have to prefill for `ctx` (asked
         only for requests that wait)."""

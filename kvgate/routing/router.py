@@ -347,6 +347,13 @@ class PoolRouter:
         """Admission's view of the fleet (`kvgate.chain.admission_ports.Capacity`)."""
         return self.fleet.has_capacity(model, jurisdictions, pinned)
 
+    def rejects_when_saturated(self, ctx: RequestContext) -> bool:
+        pool = self.fleet.home_pool(ctx.model)
+        if pool is None:
+            return False
+        profile, _ = self.pickers[pool].policy.profile_for(ctx)
+        return profile.when_saturated == "reject"
+
 
 def build_router(
     fleet: Fleet, policies: dict[str, RoutingPolicy], services: RoutingServices

@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 
 from kvgate.chain.queues import AdmissionQueue, Waiter
 from kvgate.chain.settings import DEFAULT_TIERS, TenantConfig
@@ -177,6 +178,38 @@ def test_queue_wait_limit_and_unmeetable_deadline_are_503(upstream, start_gatewa
     assert expired.json()["error"]["code"] == "deadline_unmeetable", expired.json()
     assert _tags(engine) == ["hold"]
     assert admission_state(app, server) == IDLE
+
+
+def test_a_policy_that_rejects_when_saturated_refuses_at_once(upstream, start_gateway, tmp_path):
+    """`when_saturated: reject`: a request that finds every endpoint saturated gets 503
+    `all_endpoints_saturated` at once instead of waiting in the gateway, reaches no engine and
+    leaves nothing behind; once there is room it is served."""
+    engine, up = upstream
+    engine.script.chunks, engine.script.gap = 4, 0.3
+    policy = tmp_path / "reject.yaml"
+    policy.write_text(yaml.safe_dump({"name": "reject", "when_saturated": "reject"}))
+    config = _saturating_config(up.url)
+    config["pools"][0]["policy"] = str(policy)
+    app, server = start_gateway(config)
+    url = server.url + "/v1/chat/completions"
+
+    async def scenario() -> tuple[httpx.Response, bool]:
+        async with httpx.AsyncClient(timeout=20) as client:
+            hold = asyncio.ensure_future(client.post(url, json=_body("hold")))
+            await _until(lambda: len(engine.inference_requests) == 1)
+            refused = await client.post(url, json=_body("refused"))
+            held_still = not hold.done()
+            await hold
+            return refused, held_still
+
+    refused, held_still = asyncio.run(scenario())
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["error"]["code"] == "all_endpoints_saturated"
+    assert int(refused.headers["retry-after"]) >= 1
+    assert held_still  # refused while the hold ran, not after waiting for its room
+    assert _tags(engine) == ["hold"]
+    assert admission_state(app, server) == IDLE
+    assert httpx.post(url, json=_body("later"), timeout=20).status_code == 200
 
 
 A_KEY, A_ENTRY = make_key("a-1")
