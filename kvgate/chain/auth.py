@@ -160,11 +160,13 @@ class AuthStage:
                 param="model",
                 code="model_not_allowed",
             )
-        changed = False
-        if tenant.cache_salt is not None and ctx.route in _SALTED_ROUTES:
-            ctx.payload["cache_salt"] = tenant.cache_salt
-            ctx.cache_salt = tenant.cache_salt
-            changed = True
+        changed = appended = False
+        salt = tenant.cache_salt
+        if salt is not None and ctx.route in _SALTED_ROUTES:
+            changed = "cache_salt" in ctx.payload  # the client's own, overwritten in place
+            appended = not changed
+            ctx.payload["cache_salt"] = salt
+            ctx.cache_salt = salt
         priority = ctx.payload.get("priority")
         if priority is not None and _urgent_priority(
             priority, higher_first=self.home_engine(ctx.model) == "sglang"
@@ -173,6 +175,11 @@ class AuthStage:
             changed = True
         if changed:
             ctx.body = orjson.dumps(ctx.payload)
+        elif appended and salt is not None:
+            # The body is one JSON object (with a model) without the key: add it before the
+            # closing brace instead of serialising the whole (possibly long) prompt again,
+            # so the client's bytes reach the engine as they were sent, plus the salt.
+            ctx.body = ctx.body.rstrip()[:-1] + b',"cache_salt":"' + salt.encode() + b'"}'
 
     def _operator(self, admin_key: bytes | None) -> bool:
         """Whether the request may see routing explanations: on an open gateway anyone may;

@@ -4,6 +4,7 @@ an engine for an isolated tenant: the gateway's per-tenant salt does."""
 from __future__ import annotations
 
 import httpx
+import orjson
 import pytest
 
 from kvgate.chain.tenants import cache_salt_for
@@ -61,6 +62,28 @@ def test_client_cache_salt_is_overwritten_and_headers_do_not_travel(upstream, st
     assert received.body["cache_salt"] != cache_salt_for("gold", SECRET)
     assert not any(name.startswith("x-kvgate-") for name in received.headers)
     assert received.body["messages"] == [{"role": "user", "content": "hi"}]
+
+
+def test_a_tenants_body_reaches_the_engine_as_sent_plus_its_salt(upstream, start_gateway):
+    """The salt is added before the body's closing brace, not by serialising the body again:
+    the client's bytes (its spacing, a 97-bit integer JSON parsers turn into a float) reach
+    the engine unchanged, plus the salt. A client's own `cache_salt` is replaced in a body
+    serialised again, once."""
+    engine, up = upstream
+    _, server = start_gateway(_config(up.url))
+    sent = (
+        b'{ "model" : "m1", "seed": 123456789012345678901234567890,\n'
+        b'  "messages": [{"role": "user", "content": "hi"}] }\n'
+    )
+    headers = {"authorization": f"Bearer {BRONZE}", "content-type": "application/json"}
+    assert httpx.post(server.url + "/v1/chat/completions", content=sent, headers=headers).is_success
+    salt = cache_salt_for("bronze", SECRET)
+    assert engine.inference_requests[-1].raw == sent.rstrip()[:-1] + (
+        b',"cache_salt":"%s"}' % salt.encode()
+    )
+    own = b'{"model": "m1", "cache_salt": "mine", "messages": [{"role": "user", "content": "hi"}]}'
+    assert httpx.post(server.url + "/v1/chat/completions", content=own, headers=headers).is_success
+    assert orjson.loads(engine.inference_requests[-1].raw)["cache_salt"] == salt
 
 
 def _config_on(url: str, engine_kind: str) -> dict:
