@@ -68,7 +68,7 @@ class PreciseIndex:
         self._endpoints: dict[str, _Endpoint] = {}
         self._holders: dict[int, int] = {}  # key → bit mask of endpoints holding it
         self._speculative: dict[int, dict[int, float]] = {}  # key → bit → expiry
-        self._expiries: deque[tuple[float, int, list[int]]] = deque()
+        self._expiries: deque[tuple[float, int, tuple[int, ...]]] = deque()
 
     def add_endpoint(self, name: str, block_size: int | None = None) -> None:
         """Index `name` (its bit is fixed for the process); `block_size` from config, if set."""
@@ -220,7 +220,7 @@ class PreciseIndex:
                 speculative[key] = {bit: until}
             else:
                 guessed[bit] = until
-        self._expiries.append((until, bit, list(keys)))
+        self._expiries.append((until, bit, tuple(keys)))  # a tuple: out of the GC's reach
 
     def speculative_entries(self) -> int:
         return sum(map(len, self._speculative.values()))

@@ -4,6 +4,7 @@ a small Hugging Face tokenizer built here (no model hub), and the config keys ar
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
@@ -19,6 +20,7 @@ from kvgate.cli import main
 from kvgate.config import ConfigError, parse_config
 from kvgate.routing.hf_tokenizer import HfTokenizer
 from kvgate.routing.prompt_tokens import SimTokenizer
+from kvgate.routing.token_memo import TokenMemo
 from kvgate.sim import EngineOptions, SimFleet
 from kvgate.sim_chat_template import render_chat
 from kvgate.sim_tokenizer import token_ids, tokenize
@@ -374,3 +376,15 @@ def test_loading_a_tokenizer_keeps_its_encoding_to_one_core_unless_told(tmp_path
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
     HfTokenizer.load(tmp_path)
     assert os.environ["TOKENIZERS_PARALLELISM"] == "true"
+
+
+def test_the_remembered_ids_are_out_of_the_garbage_collectors_reach():
+    """A full memo holds a million ids: kept in lists, every full collection would walk them
+    all (a pause for every request in flight); tuples of ints leave the collector's tracking
+    at their first collection."""
+    memo = TokenMemo(1_000)
+    pieces = [f"piece {i}" for i in range(10)]
+    memo.ids_of(pieces, lambda texts: [[len(t), 7, 8] for t in texts])
+    gc.collect()
+    remembered = memo.ids_of(pieces, lambda texts: pytest.fail("every piece is remembered"))
+    assert len(remembered) == 10 and not any(gc.is_tracked(ids) for ids in remembered)
