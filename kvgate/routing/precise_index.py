@@ -190,17 +190,22 @@ class PreciseIndex:
         names = {self._endpoints[name].bit: name for name in endpoints}
         wanted = sum(names)
         holders, speculative = self._holders.get, self._speculative.get
+        guessed_any = False
 
         def held_or_guessed(key: int) -> int:
+            nonlocal guessed_any
             mask = holders(key, 0)
             guessed = speculative(key)
             if guessed:
                 for bit, until in guessed.items():
                     if until > now:
                         mask |= bit
+                        guessed_any = True
             return mask
 
         both = _depths(keys, wanted, names, held_or_guessed)
+        if not guessed_any:  # no probe met a live guess: the events alone say the same
+            return both, dict(both)
         confirmed = _depths(keys, wanted, names, lambda key: holders(key, 0))
         return both, confirmed
 
