@@ -277,10 +277,26 @@ class PreciseRouting:
         if chain is None:
             return
         self.index.speculate(endpoint, chain[exact.confirmed[endpoint] // size :])
-        if exact.prompt_tokens - exact.held[endpoint] >= size:
-            subscriber = self._sources[endpoint].subscriber
-            if subscriber is not None:
-                subscriber.note_traffic()
+        subscriber = self._sources[endpoint].subscriber
+        if subscriber is not None and exact.prompt_tokens - exact.held[endpoint] >= size:
+            subscriber.note_traffic()
+
+    def engine_back(self, endpoint: str) -> None:
+        """`endpoint` passed its health checks again after failing them: approximate until
+        its next batch says whether its engine restarted (`KvEventSubscriber.engine_back`)."""
+        source = self._sources.get(endpoint)
+        if source is not None and source.subscriber is not None:
+            source.subscriber.engine_back()
+
+    def refused(self, exact: ExactMatch, endpoint: str) -> None:
+        """The engine refused the request `decided` sent to `endpoint` (it stores nothing):
+        its events owe nothing for it, so its silence is no stall."""
+        if endpoint not in exact.held:
+            return
+        subscriber = self._sources[endpoint].subscriber
+        size = self.index.block_size(endpoint)
+        if subscriber is not None and exact.prompt_tokens - exact.held[endpoint] >= size:
+            subscriber.traffic_refused()
 
 
 class TokenizeStage:

@@ -107,6 +107,11 @@ class PreciseIndex:
     # --- KvEventSink -------------------------------------------------------------------
 
     def stored(self, endpoint: str, event: BlockStored) -> None:
+        if event.lora_id is not None or not _on_gpu(event.medium):
+            # A LoRA adapter's blocks (vLLM keys them apart from the base model's, by an id
+            # that is the engine's own) and blocks offloaded to another tier (outside the GPU
+            # cache the engine's size bounds) are no hit for a base-model prompt.
+            return
         state = self._endpoints[endpoint]
         size = event.block_size
         if state.block_size != size:
@@ -137,6 +142,8 @@ class PreciseIndex:
             state.overflowed = True
 
     def removed(self, endpoint: str, event: BlockRemoved) -> None:
+        if not _on_gpu(event.medium):
+            return
         state = self._endpoints[endpoint]
         for engine_hash in event.block_hashes:
             key = state.keys.pop(engine_hash, None)
@@ -240,6 +247,12 @@ class PreciseIndex:
                     del guessed[bit]  # not renewed by a later decision
                     if not guessed:
                         del speculative[key]
+
+
+def _on_gpu(medium: str | None) -> bool:
+    """Whether an event's `medium` is the engine's GPU cache (vLLM: "GPU"; absent in older
+    versions), not a tier blocks are offloaded to ("CPU", a disk)."""
+    return medium is None or medium.upper() == "GPU"
 
 
 def _depths(

@@ -125,15 +125,20 @@ class RoutingServices:
 
     def endpoint_recovered(self, endpoint: Endpoint) -> None:
         """`endpoint` passed its health check after failing it: its engine may have restarted,
-        and a restarted engine's prefix cache is empty, so both indexes forget what they
-        held there (the engine's KV events, if any, then rebuild the precise one). Kept, a
-        stale index would send every request with those prefixes to a cold cache at once;
-        forgotten, it costs one cold placement per prefix when the engine had kept its cache
-        (an outage without a restart). The prefix index is this process's: other replicas
-        forget when their own health checks see the outage."""
+        and a restarted engine's prefix cache is empty, so the approximate index forgets what
+        it held there. Kept, a stale index would send every request with those prefixes to a
+        cold cache at once; forgotten, it costs one cold placement per prefix when the engine
+        had kept its cache (an outage without a restart). The prefix index is this process's:
+        other replicas forget when their own health checks see the outage.
+
+        The precise index is left to the engine's events, and the endpoint is routed
+        approximately until its next batch: a restarted engine's publisher starts its
+        sequence again, which the subscriber sees as a restart (it clears the index then);
+        an engine that only missed health checks kept its cache, and never publishes again
+        the blocks it holds, so clearing here would leave the index empty for good."""
         self.index.clear(endpoint.name)
-        if self.precise is not None and self.precise.mode(endpoint.name) is not None:
-            self.precise.cleared(endpoint.name)
+        if self.precise is not None:
+            self.precise.engine_back(endpoint.name)
         log.info("endpoint %s is back: its prefix index entries are forgotten", endpoint.name)
 
     def forget_refused(self, prefix: PrefixMatch, endpoint: str) -> None:
@@ -147,6 +152,8 @@ class RoutingServices:
         held = prefix.matched.get(endpoint, 0)
         if held < prefix.blocks and prefix.hashes:
             self.index.evict(endpoint, (prefix.hashes[held],))
+        if self.precise is not None and prefix.exact is not None:
+            self.precise.refused(prefix.exact, endpoint)
 
     def record_precise(self, prefix: PrefixMatch, endpoint: str) -> None:
         """The decision for a request with this match went to `endpoint` (speculative entry

@@ -271,3 +271,61 @@ async def test_stop_cancels_and_closes(context, publisher):
     with pytest.raises(RuntimeError):
         subscriber.start()
     await subscriber.stop()  # its own context: terminating it would hang on an open socket
+
+
+async def test_a_stream_heard_only_on_another_topic_stalls(publisher, subscribe, caplog):
+    """A subscription matches topics by prefix (`kv` hears `kv-events`): messages on another
+    topic are no sign of life of ours, so traffic without our batches ends in `stalled`, and
+    the other topic is named in a warning once."""
+    caplog.set_level("WARNING")
+    subscriber, _, _ = await subscribe(stall_after=0.3)
+    await publisher.send(0, block(10))
+    await until(lambda: subscriber.counters.batches_applied == 1)
+    subscriber.note_traffic()
+    for seq in range(1, 8):  # the engine answers, on a topic that is not ours
+        await publisher.send_frames([TOPIC + b"-other", seq_frame(seq), block(seq)])
+        await asyncio.sleep(0.05)
+    await until(lambda: subscriber.mode == "approximate")
+    assert subscriber.reason == "stalled"
+    named = [r for r in caplog.records if "ignoring messages on topic" in r.getMessage()]
+    assert len(named) == 1
+
+
+async def test_a_refused_request_owes_no_batch(publisher, subscribe):
+    """The engine refused the request the gateway announced (it stores nothing): with no
+    other traffic awaited, silence is no stall; with another awaited, it still is."""
+    subscriber, _, _ = await subscribe(stall_after=0.3)
+    await publisher.send(0, block(10))
+    await until(lambda: subscriber.counters.batches_applied == 1)
+    subscriber.note_traffic()
+    subscriber.traffic_refused()
+    await asyncio.sleep(0.6)
+    assert (subscriber.counters.stalls, subscriber.mode) == (0, "precise")
+    subscriber.note_traffic()
+    subscriber.note_traffic()
+    subscriber.traffic_refused()
+    await until(lambda: subscriber.mode == "approximate")
+    assert subscriber.reason == "stalled"
+
+
+async def test_engine_back_is_approximate_until_the_sequence_goes_on(publisher, subscribe, caplog):
+    """After a health-check outage: approximate (`engine_back`) until the next batch; one
+    that continues the sequence restores precise with what the sink held. A change of reason
+    while approximate is logged too."""
+    caplog.set_level("INFO")
+    subscriber, sink, changes = await subscribe()
+    await publisher.send(0, block(10))
+    await until(lambda: subscriber.counters.batches_applied == 1)
+    subscriber.engine_back()
+    assert (subscriber.mode, subscriber.reason) == ("approximate", "engine_back")
+    await publisher.send(1, block(11))
+    await until(lambda: subscriber.mode == "precise")
+    assert subscriber.reason == "resumed" and sink.tokens() == [(10, 10), (11, 11)]
+    assert changes[-2:] == [("approximate", "engine_back"), ("precise", "resumed")]
+    subscriber.engine_back()
+    await publisher.send(5, block(15))  # seqs 2-4 missing and not replayable
+    await until(lambda: subscriber.reason == "gap_unfilled")
+    logged = [
+        r.getMessage() for r in caplog.records if "approximate (gap_unfilled)" in r.getMessage()
+    ]
+    assert logged  # engine_back -> gap_unfilled: still approximate, and said

@@ -132,3 +132,23 @@ def test_bisection_finds_every_endpoints_depth_as_a_walk_would():
         both, confirmed = built.match(keys, names, now=1.0)
         assert confirmed == expected_confirmed
         assert both == expected_both
+
+
+def test_lora_and_offloaded_blocks_are_not_the_base_models_gpu_cache():
+    """A LoRA adapter's blocks (vLLM keys them apart) are no hit for a base-model prompt, and
+    blocks on another tier (`medium` "CPU") neither count as held nor fill the GPU bound."""
+    built = index("a")
+    built.set_engine_size("a", 2, B)
+    keys = block_keys(PROMPT, B, 100)
+    lora = stored(PROMPT[:8], [1, 2])
+    built.stored("a", BlockStored(lora.block_hashes, None, lora.token_ids, B, lora_id=7))
+    for medium in ("CPU", "cpu", "disk"):
+        built.stored("a", BlockStored((3, 4, 5), None, tuple(PROMPT[:12]), B, medium=medium))
+    assert built.blocks("a") == 0 and not built.overflowed("a")
+    assert built.match(keys, ["a"])[0] == {"a": 0}
+    built.stored("a", BlockStored((6, 7), None, tuple(PROMPT[:8]), B, medium="GPU"))
+    assert built.match(keys, ["a"])[0] == {"a": 2}
+    built.removed("a", BlockRemoved((6, 7), medium="CPU"))  # the copy offloaded is dropped
+    assert built.blocks("a") == 2
+    built.removed("a", BlockRemoved((6, 7), medium="GPU"))
+    assert built.blocks("a") == 0

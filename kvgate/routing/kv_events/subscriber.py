@@ -8,10 +8,14 @@ Modes:
   batch heard is not 0 and the replay buffer no longer reaches back to 0), `gap_unfilled`
   (batches missing and not replayable), `malformed_batch` (a batch that would not decode),
   `publisher_restart` (the sequence went backwards and the new stream's start is missing),
-  `stalled` (no batch for `stall_after` seconds after `note_traffic()`), `subscriber_failed`.
+  `stalled` (no batch for `stall_after` seconds after `note_traffic()`), `engine_back` (the
+  engine passed its health checks again after failing them, `engine_back()`: restarted
+  empty, or kept its cache), `subscriber_failed`.
 
-A missing batch is asked for on the replay socket; a stall ends with the next batch. The
-other losses end with `AllBlocksCleared` or a restarted publisher heard from sequence 0. A
+A missing batch is asked for on the replay socket; a stall ends with the next batch, and so
+does `engine_back` (a batch that continues the sequence: the cache was kept; one that starts
+it again: a restart, handled as below). The other losses end with `AllBlocksCleared` or a
+restarted publisher heard from sequence 0. A
 restart (a sequence number at or below the last one applied, with other contents) first
 calls `sink.cleared`: the engine's hashes are salted per process and its cache is gone.
 """
@@ -52,6 +56,7 @@ SUBSCRIBER_FAILED = "subscriber_failed"
 FRESH_START = "fresh_start"
 CLEARED = "cleared"
 RESUMED = "resumed"
+ENGINE_BACK = "engine_back"
 
 _Batches = list[tuple[int, bytes]]
 
@@ -132,6 +137,8 @@ class KvEventSubscriber:
         self._lost_reason: str | None = STARTING
         self._stalled = False
         self._awaiting_since: float | None = None
+        self._awaiting = 0  # decisions sent since the last batch that expect one
+        self._other_topic: str | None = None  # a topic heard that is not ours (logged once)
         self._replayed: dict[int, int] = {}  # seq -> hash(payload) of the initial replay
         self._mode: Mode = APPROXIMATE
         self._reason = STARTING
@@ -149,8 +156,24 @@ class KvEventSubscriber:
     def note_traffic(self) -> None:
         """Tell the subscriber a request that fills at least one block was sent to the
         endpoint: no batch within `stall_after` seconds from now means a stalled stream."""
+        self._awaiting += 1
         if self._awaiting_since is None:
             self._awaiting_since = time.monotonic()
+
+    def traffic_refused(self) -> None:
+        """A request `note_traffic` announced was refused by the engine (it stores nothing):
+        when no other is awaited, no batch is owed."""
+        if self._awaiting:
+            self._awaiting -= 1
+            if not self._awaiting:
+                self._awaiting_since = None
+
+    def engine_back(self) -> None:
+        """The engine passed its health checks again after failing them: it may have
+        restarted with an empty cache (its next batch starts the sequence again) or kept it
+        (its next batch continues the sequence). Approximate until that batch tells."""
+        if self._lost_reason is None:
+            self._lose(ENGINE_BACK)
 
     def start(self) -> None:
         """Run the subscription as a task on the running loop."""
@@ -210,14 +233,24 @@ class KvEventSubscriber:
         self._replayed = {seq: hash(payload) for seq, payload in available}
 
     async def _on_frames(self, frames: list[bytes]) -> None:
-        self._awaiting_since = None
         try:
             message = split_message(frames)
         except KvEventDecodeError:
             self.counters.malformed_dropped += 1
             return
         if message.topic != self._topic:
+            # Subscriptions match by prefix: `kv` hears `kv-events`. Not ours, and no sign of
+            # life of the stream we wait for (a wrong topic ends in `stalled`).
+            if self._other_topic != message.topic:
+                self._other_topic = message.topic
+                logger.warning(
+                    "kv events %s: ignoring messages on topic %r (configured: %r)",
+                    self.endpoint,
+                    message.topic,
+                    self._topic,
+                )
             return
+        self._awaiting_since, self._awaiting = None, 0
         seq, payload = message.seq, message.payload
         if seq < 0:
             self.counters.malformed_dropped += 1
@@ -234,6 +267,8 @@ class KvEventSubscriber:
         elif seq > self._last_seq + 1:
             await self._fill_gap(self._last_seq + 1, seq)
         self._apply(seq, payload)
+        if self._lost_reason == ENGINE_BACK:  # the sequence went on: the cache was kept
+            self._resync(RESUMED)
         if self._stalled:
             self._stalled = False
             self._refresh(RESUMED)
@@ -334,13 +369,14 @@ class KvEventSubscriber:
         else:
             mode, reason = PRECISE, precise_reason
         changed = mode != self._mode
-        if mode == APPROXIMATE or changed:
-            self._reason = reason
-        if not changed:
+        if not changed and (mode == PRECISE or reason == self._reason):
+            return
+        self._reason = reason
+        logger.info("kv events %s: %s (%s)", self.endpoint, mode, reason)
+        if not changed:  # another reason to stay approximate
             return
         self._mode = mode
         self.counters.mode_changes += 1
-        logger.info("kv events %s: %s (%s)", self.endpoint, mode, reason)
         if self._on_mode_change is not None:
             self._on_mode_change(self.endpoint, mode, reason)
 
