@@ -4,6 +4,7 @@ the reason and the offending value (secrets masked)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,6 +99,23 @@ def without_credentials(text: str) -> str:
         pairs = parse_qsl(query, keep_blank_values=True)
         query = urlencode([(k, _MASK if is_secret_name(k) else v) for k, v in pairs], safe="*")
     return urlunsplit(parts._replace(netloc=netloc, query=query))
+
+
+# In free text (a library's log line): a URL's password, and the value of a query parameter
+# whose name holds a secret word, with or without the scheme and host around it.
+_URL_PASSWORD = re.compile(r"(\b[a-zA-Z][\w+.-]*://[^/\s:@]+:)[^@\s/]+@")
+_SECRET_WORD = "|".join(sorted(_SECRET_WORDS))
+_SECRET_PARAMETER = re.compile(
+    rf"([?&][^=&\s]*(?:{_SECRET_WORD})[^=&\s]*=)[^&\s'\"]+", re.IGNORECASE
+)
+
+
+def redacted_text(text: str) -> str:
+    """`text` with every URL password and secret-like query parameter in it masked."""
+    if "://" not in text and "=" not in text:
+        return text
+    text = _URL_PASSWORD.sub(rf"\g<1>{_MASK}@", text)
+    return _SECRET_PARAMETER.sub(rf"\g<1>{_MASK}", text)
 
 
 def parse_yaml(text: str) -> YamlDocument:

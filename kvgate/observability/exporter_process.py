@@ -19,6 +19,7 @@ from collections.abc import Callable
 from contextlib import suppress
 from struct import Struct
 
+from kvgate.observability.log_format import current_logging
 from kvgate.observability.span_records import TraceRecord, span_count
 
 log = logging.getLogger("kvgate.tracing")
@@ -49,6 +50,8 @@ STOP_SECONDS = 30.0
 # after the first.
 RESTART_FIRST_SECONDS = 1.0
 RESTART_MAX_SECONDS = 60.0
+# The environment variable that hands the child its settings (JSON).
+SETTINGS_VARIABLE = "KVGATE_SPAN_EXPORT_SETTINGS"
 _CHILD = "kvgate.observability.span_export_child"
 
 
@@ -129,10 +132,12 @@ class ExporterProcess:
                 sys.executable,
                 "-m",
                 _CHILD,
-                json.dumps(self.settings),
                 str(ack_write),
                 stdin=read_end,
                 pass_fds=(ack_write,),
+                # Not on the command line, which `ps` shows every user: the OTLP endpoint
+                # may carry credentials.
+                env={**os.environ, SETTINGS_VARIABLE: json.dumps(self._child_settings())},
             )
         except BaseException:
             os.close(write_end)
@@ -148,6 +153,10 @@ class ExporterProcess:
         pipe = os.fdopen(write_end, "wb", buffering=0)
         self._transport, _ = await loop.connect_write_pipe(asyncio.BaseProtocol, pipe)
         _, self._acks = await loop.connect_read_pipe(_Acks, os.fdopen(ack_read, "rb", buffering=0))
+
+    def _child_settings(self) -> dict[str, object]:
+        """`settings`, and how this process logs (the child logs alike)."""
+        return {**self.settings, "logging": current_logging()}
 
     @property
     def pid(self) -> int | None:

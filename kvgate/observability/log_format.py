@@ -13,6 +13,8 @@ from typing import Any
 
 import orjson
 
+from kvgate.yaml_source import redacted_text
+
 LOG_FORMATS = ("json", "text")
 # The attribute a record's structured fields ride on (`log.info(..., extra={FIELDS: {...}})`).
 FIELDS = "fields"
@@ -36,8 +38,36 @@ class JsonFormatter(logging.Formatter):
         else:
             line["message"] = record.getMessage()
         if record.exc_info:
-            line["exception"] = self.formatException(record.exc_info)
+            line["exception"] = record.exc_text or self.formatException(record.exc_info)
         return orjson.dumps(line, default=str).decode()
+
+
+class RedactingFilter(logging.Filter):
+    """Masks URL passwords and secret-like query parameters in a record's message and
+    exception (`redacted_text`): libraries log the URLs they call (the OTLP exporter's retry
+    warning names its endpoint with its query string). Structured records (the access log)
+    carry no URL and pass as they are."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, FIELDS, None) is None:
+            message = record.getMessage()
+            masked = redacted_text(message)
+            if masked != message:
+                record.msg, record.args = masked, ()
+            if record.exc_info and not record.exc_text:
+                record.exc_text = redacted_text(_PLAIN.formatException(record.exc_info))
+        return True
+
+
+_PLAIN = logging.Formatter()
+
+
+def current_logging() -> tuple[str, str]:
+    """(level, format) of this process's logging as `logging_config` set it up, for a child
+    process that logs alike: `json` when the root handler formats JSON, else `text`."""
+    root = logging.getLogger()
+    json_lines = any(isinstance(h.formatter, JsonFormatter) for h in root.handlers)
+    return logging.getLevelName(root.level), "json" if json_lines else "text"
 
 
 def logging_config(level: str, log_format: str) -> dict[str, Any]:
@@ -50,10 +80,12 @@ def logging_config(level: str, log_format: str) -> dict[str, Any]:
         "version": 1,
         "disable_existing_loggers": False,
         "formatters": {"kvgate": formatter},
+        "filters": {"redact": {"()": f"{__name__}.RedactingFilter"}},
         "handlers": {
             "stderr": {
                 "class": "logging.StreamHandler",
                 "formatter": "kvgate",
+                "filters": ["redact"],
                 "stream": "ext://sys.stderr",
             }
         },

@@ -7,17 +7,23 @@ stopped, or died) it exports what it holds, shuts the exporters down and exits. 
 batch it writes how many spans it has handled so far to ACK_FD (a pipe back to the gateway,
 which counts what a process that died took with it).
 
-    python -m kvgate.observability.span_export_child SETTINGS_JSON ACK_FD
+    KVGATE_SPAN_EXPORT_SETTINGS=SETTINGS_JSON \
+        python -m kvgate.observability.span_export_child ACK_FD
 
-SETTINGS_JSON: {"exporters": ["otlp" | "console", ...], "endpoint": URL or null,
-"resource": {attribute: value}, "schema_url": str, "version": kvgate's version}. The OTLP
-exporter also reads the OTEL_EXPORTER_OTLP_* variables, inherited from the gateway.
+SETTINGS_JSON (in the environment: the command line is everyone's to read, and the endpoint
+may carry credentials): {"exporters": ["otlp" | "console", ...], "endpoint": URL or null,
+"resource": {attribute: value}, "schema_url": str, "version": kvgate's version, "logging":
+[level, "json" | "text"]}. It logs as the gateway does, URL credentials masked. The OTLP
+exporter also reads the OTEL_EXPORTER_OTLP_* variables, inherited from the gateway. Every
+other descriptor it inherited (a worker's listening socket, under `--workers N`) is closed at
+start: held here, it would keep the gateway's port open through a drain and after a crash.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import logging.config
 import marshal
 import math
 import os
@@ -26,12 +32,14 @@ import signal
 import sys
 import time
 from contextlib import suppress
+from typing import cast
 
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter
 
-from kvgate.observability.exporter_process import ACK, FRAME
+from kvgate.observability.exporter_process import ACK, FRAME, SETTINGS_VARIABLE
+from kvgate.observability.log_format import logging_config
 from kvgate.observability.span_records import TraceRecord, readable_spans, scope, span_count
 from kvgate.observability.tracing import span_exporter
 
@@ -45,6 +53,9 @@ NICE = 10
 
 
 def main(settings: dict[str, object], ack_fd: int) -> None:
+    _close_inherited(ack_fd)
+    level, form = cast(list[str], settings["logging"])
+    logging.config.dictConfig(logging_config(level, form))
     # Ctrl-C, or a service manager's SIGTERM, may reach the whole process group: the gateway
     # ends this process by closing the pipe once everything is sent (or by dying).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -129,6 +140,14 @@ def _positive(variable: str, default: float) -> float:
     return value
 
 
+def _close_inherited(ack_fd: int) -> None:
+    """Close every descriptor but stdin, stdout, stderr and `ack_fd`: an event loop's spawn
+    may not close what the parent left inheritable (uvicorn's workers get their listening
+    socket so)."""
+    os.closerange(3, ack_fd)
+    os.closerange(ack_fd + 1, os.sysconf("SC_OPEN_MAX"))
+
+
 def _run_when_idle() -> None:
     """Export is background work: it runs on CPU time that serving leaves over. Under
     Linux's SCHED_IDLE policy any ordinary thread that wakes up on a core this process is using
@@ -178,4 +197,4 @@ def _export(exporters: list[SpanExporter], spans: list[ReadableSpan]) -> None:
 
 
 if __name__ == "__main__":
-    main(json.loads(sys.argv[1]), int(sys.argv[2]))
+    main(json.loads(os.environ.pop(SETTINGS_VARIABLE)), int(sys.argv[1]))

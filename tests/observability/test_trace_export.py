@@ -6,11 +6,15 @@ receiver, drops and counts what does not fit while it is stalled, and a gateway 
 from __future__ import annotations
 
 import asyncio
+import logging
+import logging.config
 import os
 import re
 import signal
+import socket
 import time
 from collections.abc import Callable, Iterator
+from contextlib import suppress
 
 import httpx
 import pytest
@@ -31,6 +35,7 @@ from kvgate import __version__
 from kvgate.app import GatewayApp
 from kvgate.config import parse_config
 from kvgate.observability.exporter_process import FLUSH_SECONDS, ExporterProcess
+from kvgate.observability.log_format import logging_config
 from kvgate.observability.span_export_child import _batching, _OnceHashedResource
 from kvgate.observability.span_records import (
     NEW_TRACE_FLAGS,
@@ -616,3 +621,77 @@ def test_the_exporter_process_resource_is_hashed_once_and_as_the_sdk_hashes_it(m
     monkeypatch.setattr(resources, "dumps", lambda *a, **k: serialised.append(a) or "")
     assert {once: 1}[once] == 1 and hash(once) == hash(once)
     assert serialised == []
+
+
+def test_the_exporter_process_holds_no_inherited_socket_and_no_secret_in_its_command_line(
+    capfd, monkeypatch
+):
+    """Under `--workers N` a worker's listening socket is inheritable: the exporter process
+    closes it at start, or it would keep the gateway's port open through a drain and after a
+    crash. Its settings (the endpoint may carry credentials) are not on its command line,
+    which `ps` shows everyone, and what it logs masks them."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "1")
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.set_inheritable(True)
+    link = f"socket:[{os.fstat(listener.fileno()).st_ino}]"
+    nobody = "http://otel:PASSWORD@127.0.0.1:1/v1/traces?api_key=QUERYSECRET"
+
+    def command_of(pid: int) -> str:
+        with open(f"/proc/{pid}/cmdline", "rb") as command:
+            return command.read().decode(errors="replace")
+
+    async def scenario() -> str:
+        export = ExporterProcess(_settings(nobody), lambda spans: None)
+        await export.start()
+        try:
+            pid = export.pid
+            assert pid is not None
+            await _until(lambda: "span_export_child" in command_of(pid))
+            await _until(lambda: link not in _sockets_of(pid))
+            export.send(_trace(1))  # its export to a port nobody listens on fails: logged
+            return command_of(pid)
+        finally:
+            await export.stop()
+
+    try:
+        command = uvloop.run(scenario())  # the gateway's loop, whose spawn passes the socket on
+    finally:
+        listener.close()
+    assert "PASSWORD" not in command and "QUERYSECRET" not in command
+    logged = capfd.readouterr().err
+    assert "Failed to export" in logged  # the failed export was logged, in the child
+    assert "PASSWORD" not in logged and "QUERYSECRET" not in logged
+
+
+@pytest.mark.parametrize("log_format", ["json", "text"])
+def test_log_lines_mask_url_credentials_a_library_writes(capfd, log_format):
+    """Libraries log the URLs they call (the OTLP exporter's retry warning names its endpoint
+    and query): every process's log handler masks passwords and secret-like parameters, in
+    the message and in an exception's text."""
+    logging.config.dictConfig(logging_config("INFO", log_format))  # conftest restores it
+    library = logging.getLogger("urllib3.connectionpool")
+    library.warning(
+        "Retrying %s: Max retries exceeded with url: /v1/traces?api_key=QUERYSECRET&x=1",
+        "http://otel:PASSWORD@collector:4318/v1/traces",
+    )
+    try:
+        raise ConnectionError("http://u:EXCPASSWORD@h/x?token=EXCTOKEN")
+    except ConnectionError:
+        library.exception("export failed")
+    logged = capfd.readouterr().err
+    for secret in ("PASSWORD", "QUERYSECRET", "EXCPASSWORD", "EXCTOKEN"):
+        assert secret not in logged
+    assert "otel:***@collector:4318" in logged and "api_key=***&x=1" in logged
+    assert "u:***@h/x?token=***" in logged
+
+
+def _sockets_of(pid: int) -> set[str]:
+    """The socket links among the process's open descriptors."""
+    names = os.listdir(f"/proc/{pid}/fd")
+    links = set()
+    for name in names:
+        with suppress(OSError):
+            links.add(os.readlink(f"/proc/{pid}/fd/{name}"))
+    return {link for link in links if link.startswith("socket:")}
