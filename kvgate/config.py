@@ -16,6 +16,7 @@ import os
 import re
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -463,8 +464,18 @@ def _event_socket_problems(
         return []
     problems = []
     for url in (events.url, events.replay_url):
-        if url is not None and int(url.rsplit(":", 1)[1]) > 65535:
+        if url is None:
+            continue
+        if int(url.rsplit(":", 1)[1]) > 65535:
             problems.append(f"{where}: its KV-event socket {url} is past port 65535")
+        host = urlsplit(url).hostname or ""
+        if host in ("*", "0.0.0.0", "::"):
+            problems.append(
+                f"{where}: {url} is an address to bind (as vLLM's --kv-events-config gives "
+                "it), not one to connect to: name the engine's host"
+            )
+    if events.replay_url is not None and events.replay_url == events.url:
+        problems.append(f"{where}: its KV-event replay socket is its PUB socket ({events.url})")
     if events.url in seen:
         problems.append(
             f"{where}: KV events at {events.url} are also {seen[events.url]}'s (one engine's "
@@ -485,6 +496,7 @@ def _cross_check(sections: dict[str, Any]) -> list[str]:
     seen_pools: set[str] = set()
     seen_urls: dict[str, str] = {}
     seen_event_urls: dict[str, str] = {}
+    replays: list[tuple[str, str]] = []
     for i, pool in enumerate(pools):
         if pool.name in seen_pools:
             problems.append(f"pools[{i}].name: duplicate pool name '{pool.name}'")
@@ -502,10 +514,21 @@ def _cross_check(sections: dict[str, Any]) -> list[str]:
             seen_urls[endpoint.url] = where
             problems.extend(_event_socket_problems(pool, endpoint, where, seen_event_urls))
         events = any(pool.kv_events_of(e) is not None for e in pool.endpoints)
+        for j, endpoint in enumerate(pool.endpoints):
+            of = pool.kv_events_of(endpoint)
+            if of is not None and of.replay_url is not None:
+                replays.append((f"pools[{i}].endpoints[{j}].url", of.replay_url))
         if events and pool.tokenizer.kind == "none":
             problems.append(
                 f"pools[{i}].tokenizer: KV events need the engines' token ids: set kind "
                 "'hf' or 'sim'"
+            )
+    for where, replay in replays:
+        publisher = seen_event_urls.get(replay)
+        if publisher is not None and publisher != where:
+            problems.append(
+                f"{where}: its KV-event replay socket {replay} is {publisher}'s PUB socket "
+                "(a replay offset one above the PUB offset lands on the next engine's port)"
             )
     resilience: ResilienceConfig | None = sections.get("resilience")
     if resilience is not None:

@@ -63,6 +63,7 @@ def test_version_and_help():
         (["serve", "--config", "x.yaml", "--workers", "0"], "--workers: must be an integer of"),
         (["demo", "--port", "-5"], "--port: -5 is not a port"),
         (["sim", "--engines", "zero"], "--engines: must be an integer of at least 1"),
+        (["sim", "--base-port", "65000", "--kv-events"], "up to port 67000, past 65535"),
         (["keys", "new", "--tenant", " "], "--tenant needs the tenant's name"),
     ],
 )

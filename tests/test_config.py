@@ -160,6 +160,33 @@ def test_kv_event_sockets_past_65535_or_shared_by_two_engines_are_config_problem
     ]
 
 
+def test_kv_event_sockets_an_engine_cannot_be_reached_on_are_config_problems():
+    """vLLM's own bind address (`tcp://*:5557`) copied as the URL to connect to; a replay
+    socket that is the PUB socket; a replay offset one above the PUB offset, which lands on
+    the next engine's PUB port. Each is refused at load, not found as a silent approximate
+    endpoint at runtime."""
+    sim = {"kind": "sim"}
+    same = {"url": "tcp://h:20200", "replay_url": "tcp://h:20200"}
+    star = {"name": "a", "tokenizer": sim}
+    star["endpoints"] = [
+        {"url": "http://h:1", "kv_events": {"url": "tcp://*:20100"}},
+        {"url": "http://h:2", "kv_events": same},
+    ]
+    offsets = {"name": "b", "tokenizer": sim}
+    offsets["endpoints"] = [{"url": "http://g:19100"}, {"url": "http://g:19101"}]
+    offsets["kv_events"] = {"port_offset": 1000, "replay_port_offset": 1001}
+    with pytest.raises(ConfigError) as caught:
+        parse_config({"pools": [star, offsets]})
+    assert caught.value.problems == [
+        "pools[0].endpoints[0].url: tcp://*:20100 is an address to bind (as vLLM's "
+        "--kv-events-config gives it), not one to connect to: name the engine's host",
+        "pools[0].endpoints[1].url: its KV-event replay socket is its PUB socket (tcp://h:20200)",
+        "pools[1].endpoints[0].url: its KV-event replay socket tcp://g:20101 is "
+        "pools[1].endpoints[1].url's PUB socket (a replay offset one above the PUB offset "
+        "lands on the next engine's port)",
+    ]
+
+
 def test_secret_values_are_masked_in_problems(tmp_path):
     problems = _problems(
         tmp_path,

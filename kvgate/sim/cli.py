@@ -3,6 +3,7 @@
 import argparse
 import asyncio
 import signal
+import sys
 
 from .engine_server import HOST
 from .faults import FAULT_MODES, Fault
@@ -140,6 +141,15 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as error:
         print(f"kvgate sim: {error}")
+        return 2
+    highest = args.base_port + args.engines - 1
+    if options.kv_events:
+        highest += max(options.kv_events_port_offset, options.kv_events_replay_port_offset)
+    if highest > 65535:
+        print(
+            f"kvgate sim: these engines would listen up to port {highest}, past 65535",
+            file=sys.stderr,
+        )
         return 2
     return asyncio.run(_serve(args.engines, args.base_port, args.host, options))
 
