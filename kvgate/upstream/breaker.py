@@ -29,6 +29,7 @@ observer (a Prometheus counter in the gateway).
 from __future__ import annotations
 
 import enum
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -37,6 +38,8 @@ from itertools import count
 from kvgate.upstream.observer import NULL_OBSERVER, ResilienceObserver
 from kvgate.upstream.settings import BreakerConfig
 from kvgate.upstream.window import RollingCounts
+
+log = logging.getLogger("kvgate.resilience")
 
 _SUCCESS, _FAILURE = 0, 1
 
@@ -191,10 +194,20 @@ class EndpointBreaker:
             self.config.max_ejection, self.config.base_ejection * self.ejections
         )
         self._probes.clear()
+        log.warning(
+            "endpoint %s ejected by its breaker for %.0f s (ejection %d: %d consecutive "
+            "failures)",
+            self.name,
+            self.open_until - now,
+            self.ejections,
+            self.consecutive_failures,
+        )
         if self.state is not BreakerState.OPEN:
             self._transition(BreakerState.OPEN)
 
     def _close(self, now: float) -> None:
+        if self.state is not BreakerState.CLOSED:
+            log.info("endpoint %s back in rotation: its breaker closed", self.name)
         self.consecutive_failures = 0
         self._outcomes.clear()
         self._closed_since = now

@@ -217,10 +217,13 @@ def test_ejection_time_grows_with_each_ejection_up_to_the_cap():
     assert max(durations) == 300
 
 
-def test_half_open_admits_limited_probes_and_a_committed_probe_closes():
+def test_half_open_admits_limited_probes_and_a_committed_probe_closes(caplog):
+    caplog.set_level("INFO", logger="kvgate.resilience")
     clock, recorder = Clock(), Recorder()
     b, _ = breakers(2, clock, recorder, half_open_probes=2)
     fail(b, 5)
+    # An ejection and a return are logged, as health changes are.
+    assert "endpoint e0 ejected by its breaker for 30 s" in caplog.text
     clock.now += 31
     first, second = b.begin(), b.begin()
     assert b.is_probe(first) and b.is_probe(second)
@@ -230,6 +233,7 @@ def test_half_open_admits_limited_probes_and_a_committed_probe_closes():
     b.success(first)
     assert b.state is BreakerState.CLOSED
     assert [t[2] for t in recorder.transitions] == ["open", "half_open", "closed"]
+    assert "endpoint e0 back in rotation: its breaker closed" in caplog.text
 
 
 def test_a_probe_that_never_reports_cannot_wedge_half_open():
