@@ -195,8 +195,7 @@ class EndpointBreaker:
         )
         self._probes.clear()
         log.warning(
-            "endpoint %s ejected by its breaker for %.0f s (ejection %d: %d consecutive "
-            "failures)",
+            "endpoint %s ejected by its breaker for %.0f s (ejection %d: %d consecutive failures)",
             self.name,
             self.open_until - now,
             self.ejections,
