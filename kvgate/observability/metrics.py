@@ -13,6 +13,7 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
+from kvgate.chain.intent import CLASSES_BY_RANK
 from kvgate.chain.tenants import ANONYMOUS
 from kvgate.config import Config, ObservabilityConfig
 from kvgate.observability.buckets import LATENCY_BUCKETS, TO_UPSTREAM_BUCKETS
@@ -277,6 +278,8 @@ class AdmissionMetrics:
             registry=registry,
             multiprocess_mode="livesum",  # the queues of every live worker, added
         )
+        for latency_class in CLASSES_BY_RANK:  # a sample from the start: autoscalers read it
+            self.queue_lengths.labels(latency_class).set(0)
         self._quota_tokens: dict[str, tuple[Counter, Counter]] = {}
         self.queue_wait = Histogram(
             "kvgate_admission_wait_seconds",

@@ -22,12 +22,15 @@ engine's next `AllBlocksCleared` (the caller then routes it approximately).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvgate.routing.kv_events import BlockRemoved, BlockStored
+
+log = logging.getLogger("kvgate.routing")
 
 # Measured with tracemalloc (`benchmarks/routing.py --micro`): per held block, its entry in
 # the endpoint's hash → key map and in the index's key → holders map.
@@ -56,6 +59,7 @@ class _Endpoint:
     refs: dict[int, int] = field(default_factory=dict)  # key → engine hashes naming it
     overflowed: bool = False
     orphans: int = 0  # stored runs whose parent was unknown (not indexed)
+    configured: int | None = None  # `tokenizer.block_size`, until the events contradict it
 
 
 class PreciseIndex:
@@ -74,7 +78,9 @@ class PreciseIndex:
         """Index `name` (its bit is fixed for the process); `block_size` from config, if set."""
         if name not in self._endpoints:
             bit = 1 << len(self._endpoints)
-            self._endpoints[name] = _Endpoint(bit, self.default_max_blocks, block_size)
+            self._endpoints[name] = _Endpoint(
+                bit, self.default_max_blocks, block_size, configured=block_size
+            )
 
     def block_size(self, name: str) -> int:
         """The engine's block size in tokens: from config, its events or its metrics, else
@@ -115,6 +121,15 @@ class PreciseIndex:
         state = self._endpoints[endpoint]
         size = event.block_size
         if state.block_size != size:
+            if state.configured is not None:
+                log.warning(
+                    "kv events %s: blocks of %d tokens, not the %d of tokenizer.block_size; "
+                    "keyed by the events' size",
+                    endpoint,
+                    size,
+                    state.configured,
+                )
+                state.configured = None
             if state.refs:
                 self._drop_all(state)
             state.block_size = size
@@ -234,7 +249,10 @@ class PreciseIndex:
                 guessed[bit] = until
         self._expiries.append((until, bit, tuple(keys)))  # a tuple: out of the GC's reach
 
-    def speculative_entries(self) -> int:
+    def speculative_entries(self, now: float | None = None) -> int:
+        """Live speculative (key, endpoint) entries: those expired are dropped first, so an
+        idle gateway's gauge falls to 0."""
+        self._expire(time.monotonic() if now is None else now)
         return sum(map(len, self._speculative.values()))
 
     def _expire(self, now: float) -> None:

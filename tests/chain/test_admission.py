@@ -17,6 +17,7 @@ from kvgate.chain.tenants import build_tenant
 from kvgate.ingress import request_context
 from tests.chain.helpers import IDLE, admission_state, make_key, tenant
 from tests.conftest import gateway_config
+from tests.metrics_text import sample_value
 
 LANES = {
     "rules": [
@@ -412,3 +413,14 @@ def test_unsaturated_requests_do_not_wait(upstream, start_gateway, lane):
     )
     assert response.status_code == 200
     assert admission_state(app, server) == IDLE
+
+
+def test_the_queue_length_has_a_sample_per_class_from_the_start(gateway):
+    """Autoscalers read `kvgate_admission_queue_length`: a series absent until the first
+    request waits would leave them without a metric after every restart."""
+    _, server = gateway
+    metrics = httpx.get(server.url + "/metrics", timeout=10).text
+    for latency_class in ("interactive", "standard", "batch"):
+        assert (
+            sample_value(metrics, "kvgate_admission_queue_length", **{"class": latency_class}) == 0
+        )

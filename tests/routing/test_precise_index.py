@@ -152,3 +152,19 @@ def test_lora_and_offloaded_blocks_are_not_the_base_models_gpu_cache():
     assert built.blocks("a") == 2
     built.removed("a", BlockRemoved((6, 7), medium="GPU"))
     assert built.blocks("a") == 0
+
+
+def test_a_configured_block_size_the_events_contradict_is_replaced_and_said(caplog):
+    """`tokenizer.block_size` is the engines' until their events say otherwise: then the
+    events' size keys the index (the engine hashed its blocks so), with one warning."""
+    built = PreciseIndex()
+    built.add_endpoint("a", block_size=7)
+    assert built.block_size("a") == 7
+    built.stored("a", stored(PROMPT[:8], [1, 2]))
+    built.stored("a", stored(PROMPT[8:12], [3], parent=2))
+    assert built.block_size("a") == B and built.blocks("a") == 3
+    warned = [r.getMessage() for r in caplog.records if "tokenizer.block_size" in r.getMessage()]
+    assert warned == [
+        "kv events a: blocks of 4 tokens, not the 7 of tokenizer.block_size; "
+        "keyed by the events' size"
+    ]
