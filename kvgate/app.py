@@ -288,12 +288,21 @@ class GatewayApp:
             )
         salted = salted_precise_tenants(self.config)
         if salted:
+            assert self.config.auth is not None
+            mixed = len(salted) < len(self.config.auth.tenants)
             log.warning(
                 "precise routing (kv_events) applies only to requests without a tenant cache "
                 "salt: tenants %s use cache_isolation: tenant, so their requests are routed by "
                 "the approximate index (set cache_isolation: shared for tenants that may share "
-                "cached prefixes; docs/routing.md)",
+                "cached prefixes; docs/routing.md)%s",
                 ", ".join(salted),
+                (
+                    "; the blocks their requests fill are in the engines' events as anyone's, "
+                    "so a shared tenant's prompt may be priced a hit on them that the engine "
+                    "will not give it (salted blocks match salted requests only)"
+                    if mixed
+                    else ""
+                ),
             )
         try:
             async with asyncio.timeout(_STARTUP_PROBE_SECONDS):
