@@ -60,9 +60,10 @@ class FleetAdminRoutes:
         self.chain_routes = chain_routes
         self.index_mode = index_mode
 
-    def authorize(self, headers: Headers) -> None:
-        """Raises (401/403) unless the headers carry an admin key or auth is open."""
-        self.chain_routes.authorize(headers)
+    def authorize(self, headers: Headers) -> str | None:
+        """Raises (401/403) unless the headers carry an admin key or auth is open; the key's
+        id (None on an open gateway)."""
+        return self.chain_routes.authorize(headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path, method = scope["path"], scope["method"]
@@ -70,7 +71,7 @@ class FleetAdminRoutes:
             await self.chain_routes(scope, receive, send)
             return
         try:
-            self.authorize(scope["headers"])
+            admin = self.authorize(scope["headers"])
             if path == _CONFIG:
                 _only(method, "GET", path)
                 body: object = {
@@ -81,14 +82,15 @@ class FleetAdminRoutes:
                 _only(method, "GET", path)
                 body = {"object": "list", "data": [self.describe(e) for e in self.fleet.endpoints]}
             else:
-                body = self._drain_route(method, path)
+                body = self._drain_route(method, path, admin)
         except KvgateError as error:
             await send_error(send, error)
             return
         await send_bytes(send, 200, orjson.dumps(body), JSON)
 
-    def _drain_route(self, method: str, path: str) -> dict[str, object]:
-        """`POST /admin/endpoints/{name}/drain` or `/undrain`: the endpoint's view after it."""
+    def _drain_route(self, method: str, path: str, admin: str | None) -> dict[str, object]:
+        """`POST /admin/endpoints/{name}/drain` or `/undrain`: the endpoint's view after it;
+        `admin`: the admin key's id, named in the log line (None: an open gateway)."""
         name, _, action = path[len(_ENDPOINTS) + 1 :].partition("/")
         if action not in _ACTIONS or not name:
             raise NotFound(f"Unknown route {method} {path}", code="unknown_url")
@@ -103,7 +105,12 @@ class FleetAdminRoutes:
         drained = _ACTIONS[action]
         if endpoint.drained != drained:
             endpoint.drained = drained
-            log.warning("endpoint %s %s by an admin", name, "drained" if drained else "undrained")
+            log.warning(
+                "endpoint %s %s by %s",
+                name,
+                "drained" if drained else "undrained",
+                "an admin (open gateway)" if admin is None else f"admin key {admin}",
+            )
         return self.describe(endpoint)
 
     def describe(self, endpoint: Endpoint) -> dict[str, object]:

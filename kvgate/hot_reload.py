@@ -199,7 +199,7 @@ class ReloadableGateway:
 
     async def _admin_reload(self, scope: Scope, send: Send) -> None:
         try:
-            self.current.admin.authorize(scope["headers"])
+            admin = self.current.admin.authorize(scope["headers"])
             if scope["method"] != "POST":
                 raise MethodNotAllowed(
                     f"{scope['method']} is not allowed on {RELOAD_ROUTE}; use POST",
@@ -208,6 +208,10 @@ class ReloadableGateway:
         except KvgateError as error:
             await send_error(send, error)
             return
+        log.info(
+            "config reload asked by %s",
+            "an admin (open gateway)" if admin is None else f"admin key {admin}",
+        )
         problems = self._check() if self.supervised else await self.reload()
         if problems:
             refused = {

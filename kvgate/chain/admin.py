@@ -50,10 +50,12 @@ class AdminRoutes:
         self.classifier = classifier
         self.admission = admission
 
-    def authorize(self, headers: Headers) -> None:
-        """Raises (401/403) unless the headers carry an admin key or auth is open."""
-        if not self.directory.open:
-            self.authenticator.verify_admin(headers)
+    def authorize(self, headers: Headers) -> str | None:
+        """Raises (401/403) unless the headers carry an admin key or auth is open; the key's
+        id (None on an open gateway), for the log lines of what an admin changes."""
+        if self.directory.open:
+            return None
+        return self.authenticator.verify_admin(headers).key_id
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:

@@ -116,7 +116,8 @@ def test_endpoints_show_state_telemetry_breaker_in_flight_and_index(tmp_path, fl
         assert index["capacity"] >= index["blocks"] >= 0
 
 
-def test_a_drained_endpoint_gets_no_new_request_and_its_stream_finishes(served, fleet):
+def test_a_drained_endpoint_gets_no_new_request_and_its_stream_finishes(served, fleet, caplog):
+    caplog.set_level("WARNING", logger="kvgate")
     _, base = served
     with httpx.stream(
         "POST",
@@ -137,6 +138,7 @@ def test_a_drained_endpoint_gets_no_new_request_and_its_stream_finishes(served, 
         assert (drained.json()["name"], drained.json()["drained"]) == (busy, True)
         assert drained.json()["state"] == "drained"
         assert drained.json()["in_flight"] == 1
+        assert f"endpoint {busy} drained by admin key root-1" in caplog.text  # who did it
         engine = fleet.engines[int(busy[-1])]
         before = engine.stats()["requests_received"]
         assert {chat(base).headers["x-kvgate-endpoint"] for _ in range(4)} == {other}
