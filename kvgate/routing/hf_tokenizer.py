@@ -28,6 +28,7 @@ Needs the `hf` extra (`pip install 'kvgate[hf]'`: `tokenizers` and `jinja2`).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -41,6 +42,8 @@ from tokenizers import Tokenizer
 from kvgate.routing.hf_chat import ContentFormat, content_format, template_messages, template_tools
 from kvgate.routing.token_memo import MEMO_TOKENS, TokenMemo
 from kvgate.sim_chat_template import TemplateError, responses_messages
+
+log = logging.getLogger("kvgate.routing")
 
 # `tokenizers`' switch for encoding a batch on every core (module docstring).
 PARALLELISM = "TOKENIZERS_PARALLELISM"
@@ -191,6 +194,13 @@ class HfTokenizer:
         jinja_file = path / "chat_template.jinja"
         if template is None and jinja_file.is_file():
             template = jinja_file.read_text()
+        if not isinstance(template, str):
+            log.warning(
+                "tokenizer %s has no chat template (tokenizer_config.json's chat_template or "
+                "chat_template.jinja): chat and Responses requests are routed approximately, "
+                "completions precisely",
+                path,
+            )
         try:
             return cls(
                 tokenizer,

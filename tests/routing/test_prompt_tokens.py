@@ -232,7 +232,7 @@ def test_a_tokenizer_whose_first_split_differs_is_encoded_whole(tmp_path):
     assert loaded.prompt_ids("chat", {"messages": messages}) == whole.ids
 
 
-def test_hf_template_list_form_and_jinja_file_and_refusals(tmp_path):
+def test_hf_template_list_form_and_jinja_file_and_refusals(tmp_path, caplog):
     user = {"role": "user", "content": "a"}
     _tiny_tokenizer(
         tmp_path / "listed",
@@ -248,8 +248,11 @@ def test_hf_template_list_form_and_jinja_file_and_refusals(tmp_path):
     loaded = HfTokenizer.load(tmp_path / "file")
     assert loaded.render_chat({"messages": [user]}) == "Y"
     assert loaded.prompt_ids("chat", {"messages": [user, user]}) is None
+    assert "no chat template" not in caplog.text
     _tiny_tokenizer(tmp_path / "bare", None)
     assert HfTokenizer.load(tmp_path / "bare").prompt_ids("chat", {"messages": [user]}) is None
+    # said at load: every chat request would otherwise go approximate without a word
+    assert f"tokenizer {tmp_path / 'bare'} has no chat template" in caplog.text
 
 
 PARTS_TEMPLATE = (
