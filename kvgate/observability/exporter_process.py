@@ -30,7 +30,7 @@ FRAME = Struct("<I")
 # What the exporter process writes back on its second pipe after each batch it handed to the
 # exporters: how many spans it has handled since it started (8 bytes, little-endian). Spans
 # sent to a process that dies and not acknowledged are the ones it took with it.
-ACK = Struct("<Q")
+ACK = Struct("<QQ")  # spans handled so far, and of those the ones no exporter delivered
 # Records wait this long in the gateway to go down the pipe together: one `marshal` call, one
 # write and one wake-up of the exporter process per batch rather than per request, and none
 # of them on a request's path.
@@ -56,10 +56,14 @@ _CHILD = "kvgate.observability.span_export_child"
 
 
 class _Acks(asyncio.Protocol):
-    """Reads one exporter process's acknowledgements; `spans` is the latest total."""
+    """Reads one exporter process's acknowledgements; `spans` is the latest total; spans its
+    exporters could not deliver (the collector refused them, or was unreachable) are told to
+    `on_failed` as they grow."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_failed: Callable[[int], None]) -> None:
         self.spans = 0
+        self.failed = 0
+        self._on_failed = on_failed
         self._partial = b""
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
@@ -67,7 +71,10 @@ class _Acks(asyncio.Protocol):
         received = self._partial + data
         whole = len(received) - len(received) % ACK.size
         if whole:
-            (self.spans,) = ACK.unpack_from(received, whole - ACK.size)
+            self.spans, failed = ACK.unpack_from(received, whole - ACK.size)
+            if failed > self.failed:
+                self._on_failed(failed - self.failed)
+                self.failed = failed
         self._partial = received[whole:]
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -81,8 +88,9 @@ class ExporterProcess:
 
     Dropped, their spans counted through `on_dropped`: traces that find `max_pending_traces`
     waiting for the next batch, or more than `max_buffered_bytes` of batches waiting for the
-    pipe (the exporter falls behind, or is being restarted), and the spans a
-    child that died had been sent and had not acknowledged. A child that dies is started again
+    pipe (the exporter falls behind, or is being restarted), the spans a child that died had
+    been sent and had not acknowledged, and the spans a child's exporters could not deliver
+    (the collector refused them or could not be reached). A child that dies is started again
     after a wait of `backoff[0]` seconds, doubled with each death in a row up to `backoff[1]`
     (a child that lived at least `backoff[1]` counts as a first death); the traces that wait
     meanwhile go to the new child, and `on_restarted` is told of each start after the first.
@@ -152,7 +160,9 @@ class ExporterProcess:
         loop = asyncio.get_running_loop()
         pipe = os.fdopen(write_end, "wb", buffering=0)
         self._transport, _ = await loop.connect_write_pipe(asyncio.BaseProtocol, pipe)
-        _, self._acks = await loop.connect_read_pipe(_Acks, os.fdopen(ack_read, "rb", buffering=0))
+        _, self._acks = await loop.connect_read_pipe(
+            lambda: _Acks(self._drop), os.fdopen(ack_read, "rb", buffering=0)
+        )
 
     def _child_settings(self) -> dict[str, object]:
         """`settings`, and how this process logs (the child logs alike)."""

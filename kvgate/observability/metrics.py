@@ -108,7 +108,7 @@ class GatewayMetrics:
         self.trace_spans_dropped = Counter(
             "kvgate_trace_spans_dropped",
             "Spans of traced requests dropped because the trace exporter process fell behind "
-            "(or died).",
+            "(or died), or the collector refused them or could not be reached.",
             registry=self.registry,
         )
         self.trace_exporter_restarts = Counter(

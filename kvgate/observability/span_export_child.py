@@ -36,7 +36,7 @@ from typing import cast
 
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.sdk.trace.export import SpanExporter
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from kvgate.observability.exporter_process import ACK, FRAME, SETTINGS_VARIABLE
 from kvgate.observability.log_format import logging_config
@@ -83,8 +83,7 @@ def main(settings: dict[str, object], ack_fd: int) -> None:
         spans = [s for record in records for s in readable_spans(record, resource, instrumentation)]
         for start in range(0, len(spans), batch_size):
             part = spans[start : start + batch_size]
-            _export(exporters, part)
-            handled.add(len(part))
+            handled.add(len(part), failed=0 if _export(exporters, part) else len(part))
 
     while True:
         if waiting and not select.select([stdin], [], [], max(0.0, due - time.monotonic()))[0]:
@@ -174,26 +173,32 @@ class _OnceHashedResource(Resource):
 
 
 class _Handled:
-    """The spans handed to the exporters so far, acknowledged to the gateway as they grow."""
+    """The spans handed to the exporters so far, and of those the ones an exporter could not
+    deliver, acknowledged to the gateway as they grow (it counts the failed ones dropped)."""
 
     def __init__(self, fd: int) -> None:
         self._fd = fd
         self.spans = 0
+        self.failed = 0
 
-    def add(self, spans: int) -> None:
+    def add(self, spans: int, failed: int) -> None:
         self.spans += spans
+        self.failed += failed
         with suppress(OSError):  # the gateway is gone: nobody to tell
-            os.write(self._fd, ACK.pack(self.spans))
+            os.write(self._fd, ACK.pack(self.spans, self.failed))
 
 
-def _export(exporters: list[SpanExporter], spans: list[ReadableSpan]) -> None:
-    if not spans:
-        return
+def _export(exporters: list[SpanExporter], spans: list[ReadableSpan]) -> bool:
+    """Hand `spans` to every exporter; False when one of them did not deliver them (the
+    collector refused them or could not be reached: the SDK logs why)."""
+    delivered = True
     for exporter in exporters:
         try:
-            exporter.export(spans)
+            delivered = exporter.export(spans) is SpanExportResult.SUCCESS and delivered
         except Exception:  # one failed batch must not end the exports that follow
             log.exception("trace export failed (%d spans lost)", len(spans))
+            delivered = False
+    return delivered
 
 
 if __name__ == "__main__":

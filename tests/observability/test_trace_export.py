@@ -637,13 +637,14 @@ def test_the_exporter_process_holds_no_inherited_socket_and_no_secret_in_its_com
     listener.set_inheritable(True)
     link = f"socket:[{os.fstat(listener.fileno()).st_ino}]"
     nobody = "http://otel:PASSWORD@127.0.0.1:1/v1/traces?api_key=QUERYSECRET"
+    dropped: list[int] = []
 
     def command_of(pid: int) -> str:
         with open(f"/proc/{pid}/cmdline", "rb") as command:
             return command.read().decode(errors="replace")
 
     async def scenario() -> str:
-        export = ExporterProcess(_settings(nobody), lambda spans: None)
+        export = ExporterProcess(_settings(nobody), dropped.append)
         await export.start()
         try:
             pid = export.pid
@@ -663,6 +664,7 @@ def test_the_exporter_process_holds_no_inherited_socket_and_no_secret_in_its_com
     logged = capfd.readouterr().err
     assert "Failed to export" in logged  # the failed export was logged, in the child
     assert "PASSWORD" not in logged and "QUERYSECRET" not in logged
+    assert dropped == [2]  # and its spans, which never reached a collector, counted dropped
 
 
 @pytest.mark.parametrize("log_format", ["json", "text"])
