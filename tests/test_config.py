@@ -260,8 +260,8 @@ def test_two_keys_with_one_secret_are_refused(tmp_path):
 def test_a_residency_no_endpoint_is_labelled_with_is_refused(tmp_path):
     """A tenant's or a rule's residency naming a place no endpoint's label has (a typo, `ue`
     for `eu`) would refuse every request kept there: the config is refused and the place is
-    named. A place carried by another label (the jurisdiction filter may read `region`) and
-    a residency without any tenants' traffic elsewhere are fine."""
+    named. A place carried by any label (the jurisdiction filter may read `region`) is
+    fine."""
     problems = _problems(
         tmp_path,
         f"""\

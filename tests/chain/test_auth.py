@@ -337,39 +337,33 @@ def test_access_log_names_tenant_key_and_endpoint_never_secret_or_prompt(
             [upstream[1].url], auth=_auth(), pool={"models": ["m1"]}, server={"access_log": True}
         )
     )
-    with caplog.at_level(logging.INFO, logger="kvgate.access"):
-        response = httpx.post(
-            server.url + "/v1/chat/completions",
-            timeout=10,
-            headers={"authorization": f"Bearer {GOOD}"},
-            json={"model": "m1", "messages": [{"role": "user", "content": "my private prompt"}]},
-        )
-        assert response.status_code == 200
-        deadline = time.monotonic() + 5
-        while not any(r.name == "kvgate.access" for r in caplog.records):
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-    line = next(r.getMessage() for r in caplog.records if r.name == "kvgate.access")
+    response, line = _access_line(caplog, server.url, GOOD, "my private prompt")
+    assert response.status_code == 200
     record = json.loads(line)
     assert record["request_id"] == response.headers["x-request-id"]
     assert (record["tenant"], record["key_id"], record["status"]) == ("acme", "acme-1", 200)
     assert record["endpoint"] == "default-0" and record["attempts"] == 1
     assert GOOD.partition(".")[2] not in line and "private prompt" not in line
     # A revoked key's line names it (a key rotation is when these lines are read).
+    refused, line = _access_line(caplog, server.url, REVOKED, "hi")
+    assert refused.status_code == 401
+    revoked = json.loads(line)
+    assert (revoked["key_id"], revoked["outcome"]) == (REVOKED.partition(".")[0], "revoked_api_key")
+    assert REVOKED.partition(".")[2] not in line
+
+
+def _access_line(caplog, base: str, key: str, prompt: str) -> tuple[httpx.Response, str]:
+    """A chat request with `key`, and the access-log line the gateway wrote for it."""
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="kvgate.access"):
-        refused = httpx.post(
-            server.url + "/v1/chat/completions",
+        response = httpx.post(
+            base + "/v1/chat/completions",
             timeout=10,
-            headers={"authorization": f"Bearer {REVOKED}"},
-            json={"model": "m1", "messages": [{"role": "user", "content": "hi"}]},
+            headers={"authorization": f"Bearer {key}"},
+            json={"model": "m1", "messages": [{"role": "user", "content": prompt}]},
         )
-        assert refused.status_code == 401
         deadline = time.monotonic() + 5
         while not any(r.name == "kvgate.access" for r in caplog.records):
             assert time.monotonic() < deadline
             time.sleep(0.01)
-    line = next(r.getMessage() for r in caplog.records if r.name == "kvgate.access")
-    revoked = json.loads(line)
-    assert (revoked["key_id"], revoked["outcome"]) == (REVOKED.partition(".")[0], "revoked_api_key")
-    assert REVOKED.partition(".")[2] not in line
+    return response, next(r.getMessage() for r in caplog.records if r.name == "kvgate.access")
