@@ -261,7 +261,9 @@ def _explain(
     taken: str,
 ) -> bytes:
     """Every term of the decision, per candidate: its score and each scorer's value, and the
-    inputs of the predicted time to first token (held prompt blocks, uncached tokens, prefill
+    inputs of the predicted time to first token (in precise mode which index prices it, and
+    the tokens the engine's events say it holds; held prompt blocks in the approximate index,
+    uncached tokens, prefill
     tokens queued there, decoding sequences, the engine's waiting requests), how long ago the
     blocks the placement would evict were last used (`room`: none would be), the blocks it
     would leave free there, and the load the picker's imbalance gate compares."""
@@ -275,8 +277,11 @@ def _explain(
         )
     if taken:
         parts[0] += f"; {taken}"
+    exact = prefix.exact if prefix is not None else None
     if prefix is not None:
         parts[0] += f"; prompt_tokens={prefix.prompt_tokens}; blocks={prefix.blocks}"
+        if exact is not None:  # the tokenizer's count, which precise candidates are priced on
+            parts[0] += f"; exact_prompt_tokens={exact.prompt_tokens}"
     for i, candidate in enumerate(candidates):
         fields = [candidate.name]
         if scores is not None:
@@ -285,6 +290,10 @@ def _explain(
                 f"{name}={column[i]:.3f}" for name, column in zip(names, columns, strict=True)
             ]
         if prefix is not None:
+            if exact is not None and candidate.name in exact.held:
+                fields.append(f"index=precise held_tokens={exact.held[candidate.name]}")
+            elif exact is not None:
+                fields.append("index=approximate")
             fields.append(f"held_blocks={prefix.matched.get(candidate.name, 0)}")
             fields.append(f"uncached={prefix.uncached_tokens(candidate.name)}")
             touched = prefix.eviction_touch(candidate.name)

@@ -8,6 +8,7 @@ metrics and `/readyz`) without failing a request, and a restarted one brings it 
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -281,6 +282,29 @@ def test_an_endpoint_back_from_an_outage_is_approximate_until_its_next_batch(
     )
     details = again.usage.prompt_tokens_details if again.usage is not None else None
     assert details is not None and details.cached_tokens  # still a hit where it was placed
+
+
+def test_explain_shows_which_index_prices_each_candidate(
+    engines: SimFleet, start_gateway: Start
+) -> None:
+    """In precise mode `x-kvgate-route-explain` gives the tokenizer's prompt count and, per
+    candidate, `index=precise` with the tokens the engine's events say it holds."""
+    app, server = start_gateway(precise_config(engines, explain="always"))
+    wait_for(lambda: set(modes(app).values()) == {"precise"})
+    client = sdk_client(base_url=server.url + "/v1", api_key="none")
+    asked: dict[str, Any] = {"model": "sim-model", "max_tokens": 2}
+    messages = [{"role": "user", "content": SYSTEMS[3]}]
+    first = client.chat.completions.with_raw_response.create(**asked, messages=messages)
+    caught_up(app, engines)
+    again = client.chat.completions.with_raw_response.create(
+        **asked, messages=messages, extra_headers={"x-kvgate-explain": "1"}
+    )
+    explained = again.headers["x-kvgate-route-explain"]
+    assert "exact_prompt_tokens=" in explained
+    holder = first.headers["x-kvgate-endpoint"]
+    term = re.search(rf"{holder} [^;]*index=precise held_tokens=(\d+)", explained)
+    assert term is not None and int(term.group(1)) > 0, explained
+    assert explained.count("index=precise") == len(engines.engines)
 
 
 def test_tenants_whose_requests_are_salted_are_named_when_pools_route_on_kv_events():
