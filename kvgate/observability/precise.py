@@ -61,6 +61,13 @@ class PreciseCollector(Collector):
             "Token blocks the precise index holds per endpoint.",
             labels=["endpoint"],
         )
+        orphans = CounterMetricFamily(
+            "kvgate_precise_orphan_runs",
+            "Stored runs of blocks not indexed because their parent block was unknown (evicted, "
+            "cleared, or never heard): steady growth means the index misses what the engine "
+            "holds.",
+            labels=["endpoint"],
+        )
         answers = CounterMetricFamily(
             "kvgate_precise_answers",
             "Answers of precise endpoints whose cached tokens equalled (agree) or not "
@@ -73,6 +80,7 @@ class PreciseCollector(Collector):
             assert current is not None
             mode.add_metric([name, current[1]], 1 if current[0] == PRECISE else 0)
             blocks.add_metric([name], precise.index.blocks(name))
+            orphans.add_metric([name], precise.index.orphans(name))
             counters = precise.counters(name)
             if counters is not None:
                 events.add_metric([name], counters.events_applied)
@@ -87,7 +95,7 @@ class PreciseCollector(Collector):
             if name in drift:
                 answers.add_metric([name, "agree"], drift[name].exact_agreed)
                 answers.add_metric([name, "disagree"], drift[name].exact_disagreed)
-        yield from (mode, events, gaps, malformed, losses, changes, lag, blocks, answers)
+        yield from (mode, events, gaps, malformed, losses, changes, lag, blocks, orphans, answers)
         yield GaugeMetricFamily(
             "kvgate_precise_index_memory_bytes",
             "Estimated memory held by the precise index.",

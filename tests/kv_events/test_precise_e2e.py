@@ -305,6 +305,9 @@ def test_explain_shows_which_index_prices_each_candidate(
     term = re.search(rf"{holder} [^;]*index=precise held_tokens=(\d+)", explained)
     assert term is not None and int(term.group(1)) > 0, explained
     assert explained.count("index=precise") == len(engines.engines)
+    metrics = httpx.get(server.url + "/metrics", timeout=10).text
+    # every run the engines stored chained to a block the index knew
+    assert sample_value(metrics, "kvgate_precise_orphan_runs_total", endpoint=holder) == 0
 
 
 def test_tenants_whose_requests_are_salted_are_named_when_pools_route_on_kv_events():
