@@ -140,11 +140,20 @@ def _positive(variable: str, default: float) -> float:
 
 
 def _close_inherited(ack_fd: int) -> None:
-    """Close every descriptor but stdin, stdout, stderr and `ack_fd`: an event loop's spawn
-    may not close what the parent left inheritable (uvicorn's workers get their listening
-    socket so)."""
-    os.closerange(3, ack_fd)
-    os.closerange(ack_fd + 1, os.sysconf("SC_OPEN_MAX"))
+    """Close every descriptor this process inherited but stdin, stdout, stderr and `ack_fd`:
+    an event loop's spawn may not close what the parent left inheritable (uvicorn's workers
+    get their listening socket so). Inherited ones are those still inheritable here; what
+    this process opened itself (imports, the exporters' libraries) is close-on-exec and
+    stays open."""
+    try:
+        fds = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:  # no /proc: every possible descriptor
+        fds = list(range(3, min(os.sysconf("SC_OPEN_MAX"), 65_536)))
+    for fd in fds:
+        if fd > 2 and fd != ack_fd:
+            with suppress(OSError):  # the directory's own descriptor, gone by now
+                if os.get_inheritable(fd):
+                    os.close(fd)
 
 
 def _run_when_idle() -> None:
