@@ -22,6 +22,7 @@ from kvgate.config import EngineKind
 from kvgate.errors import AuthenticationFailed, PermissionDenied
 from kvgate.request_options import ADMIN_KEY
 from kvgate.types import Headers, RequestContext
+from kvgate.upstream.engine_fields import salt_member, with_member
 
 log = logging.getLogger("kvgate.auth")
 
@@ -160,11 +161,14 @@ class AuthStage:
                 param="model",
                 code="model_not_allowed",
             )
-        changed = appended = False
+        changed = False
+        added: bytes | None = None  # a member added to the client's bytes as they are
         salt = tenant.cache_salt
         if salt is not None and ctx.route in _SALTED_ROUTES:
-            changed = "cache_salt" in ctx.payload  # the client's own, overwritten in place
-            appended = not changed
+            if "cache_salt" in ctx.payload:  # the client's own, overwritten in place
+                changed = True
+            else:
+                added = salt_member(salt)
             ctx.payload["cache_salt"] = salt
             ctx.cache_salt = salt
         priority = ctx.payload.get("priority")
@@ -175,11 +179,8 @@ class AuthStage:
             changed = True
         if changed:
             ctx.body = orjson.dumps(ctx.payload)
-        elif appended and salt is not None:
-            # The body is one JSON object (with a model) without the key: add it before the
-            # closing brace instead of serialising the whole (possibly long) prompt again,
-            # so the client's bytes reach the engine as they were sent, plus the salt.
-            ctx.body = ctx.body.rstrip()[:-1] + b',"cache_salt":"' + salt.encode() + b'"}'
+        elif added is not None:  # the client's bytes reach the engine as sent, plus the salt
+            ctx.body = with_member(ctx.body, added)
 
     def _operator(self, admin_key: bytes | None) -> bool:
         """Whether the request may see routing explanations: on an open gateway anyone may;

@@ -52,7 +52,7 @@ class ResponsesStage:
         ctx.body = orjson.dumps(ctx.payload)
 
     def _check_served(self, ctx: RequestContext, name: str | None) -> None:
-        pool = next((p for p in self.fleet.pools if p.name == name), None)
+        pool = self.fleet.pool(name)
         if pool is not None and not pool.serves_responses:
             raise NotFound(
                 f"/v1/responses is not served for the model '{ctx.model}': its pool "

@@ -280,6 +280,7 @@ class Fleet:
 
     def __init__(self, pools: Iterable[Pool], panic_threshold: float = 0.5) -> None:
         self.pools = list(pools)
+        self._pools_by_name = {pool.name: pool for pool in self.pools}
         self.panic_threshold = panic_threshold
         self.endpoints = [e for p in self.pools for e in p.endpoints]
         # Requests still running on an endpoint (the same pool and URL) in the fleets of apps
@@ -323,14 +324,19 @@ class Fleet:
         """The first pool (in config order) with an endpoint serving `model`."""
         return self._home_pool.get(model)
 
+    def pool(self, name: str | None) -> Pool | None:
+        """The pool called `name`, if any."""
+        return self._pools_by_name.get(name) if name is not None else None
+
     def serves_responses(self, pool: str) -> bool:
         """Whether pool `pool`'s engines serve `POST /v1/responses` (`pools[].responses`)."""
-        return any(p.serves_responses for p in self.pools if p.name == pool)
+        found = self.pool(pool)
+        return found is not None and found.serves_responses
 
     def home_engine(self, model: str) -> EngineKind | None:
         """The engine kind of `model`'s home pool (None: no pool serves it)."""
-        pool = self._home_pool.get(model)
-        return next((p.engine for p in self.pools if p.name == pool), None)
+        found = self.pool(self._home_pool.get(model))
+        return None if found is None else found.engine
 
     def candidates(self, model: str) -> list[Endpoint]:
         """Endpoints in rotation serving `model`: healthy ones, and every endpoint of a pool in

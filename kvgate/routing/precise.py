@@ -278,7 +278,7 @@ class PreciseRouting:
             return
         self.index.speculate(endpoint, chain[exact.confirmed[endpoint] // size :])
         subscriber = self._sources[endpoint].subscriber
-        if subscriber is not None and exact.prompt_tokens - exact.held[endpoint] >= size:
+        if subscriber is not None and _fills_a_block(exact, endpoint, size):
             subscriber.note_traffic()
 
     def engine_back(self, endpoint: str) -> None:
@@ -295,8 +295,14 @@ class PreciseRouting:
             return
         subscriber = self._sources[endpoint].subscriber
         size = self.index.block_size(endpoint)
-        if subscriber is not None and exact.prompt_tokens - exact.held[endpoint] >= size:
+        if subscriber is not None and _fills_a_block(exact, endpoint, size):
             subscriber.traffic_refused()
+
+
+def _fills_a_block(exact: ExactMatch, endpoint: str, size: int) -> bool:
+    """Whether the request `exact` describes makes `endpoint`'s engine store at least one
+    block (so its events owe a batch for it)."""
+    return exact.prompt_tokens - exact.held[endpoint] >= size
 
 
 class TokenizeStage:

@@ -12,8 +12,9 @@ from __future__ import annotations
 import orjson
 
 from kvgate.types import RequestContext
+from kvgate.upstream.engine_fields import with_member
 
-_ASK = b',"stream_options":{"include_usage":true}}'
+_ASK = b'"stream_options":{"include_usage":true}'
 _ROUTES = frozenset({"chat", "completions"})
 
 
@@ -36,6 +37,5 @@ def request_usage(ctx: RequestContext) -> None:
     else:
         # The body is one JSON object without the key: add it before the closing brace
         # instead of serialising the whole (possibly long) prompt again.
-        body = ctx.body.rstrip()
-        ctx.body = body[:-1] + _ASK
+        ctx.body = with_member(ctx.body, _ASK)
     ctx.strip_usage = True
