@@ -31,6 +31,7 @@ _MODULE_LAYERS = {
     "kvgate.yaml_source": "base",
     "kvgate.request_options": "base",
     "kvgate.prompt_view": "base",
+    "kvgate.body_members": "base",
     "kvgate.config": "config",
     "kvgate.chain.settings": "config",
     "kvgate.routing.settings": "config",

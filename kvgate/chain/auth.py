@@ -16,13 +16,13 @@ from collections.abc import Callable
 
 import orjson
 
+from kvgate.body_members import salt_member, with_member
 from kvgate.chain.keys import digests_match, parse_key
 from kvgate.chain.tenants import KeyRecord, TenantDirectory
 from kvgate.config import EngineKind
 from kvgate.errors import AuthenticationFailed, PermissionDenied
 from kvgate.request_options import ADMIN_KEY
 from kvgate.types import Headers, RequestContext
-from kvgate.upstream.engine_fields import salt_member, with_member
 
 log = logging.getLogger("kvgate.auth")
 
@@ -118,7 +118,7 @@ def _urgent_priority(value: object, higher_first: bool) -> bool:
 class AuthStage:
     """Sets `ctx.tenant` and `ctx.key_id`; for tenants with cache isolation, overwrites the
     body's `cache_salt` with the tenant's salt (taken out again for `engine: openai`
-    endpoints, `kvgate.upstream.engine_fields.unsalted`) and sets `ctx.cache_salt` for the
+    endpoints, `kvgate.body_members.unsalted`) and sets `ctx.cache_salt` for the
     prefix index; brings a tenant's `priority` that would run ahead of every request that
     sets none, other tenants' included, back to 0 (`_urgent_priority`). Either re-serialises
     the payload once into `ctx.body`.

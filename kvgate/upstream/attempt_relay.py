@@ -23,6 +23,7 @@ from typing import Any
 import orjson
 
 from kvgate.asgi import Send, send_bytes
+from kvgate.body_members import unsalted
 from kvgate.errors import (
     PROMPT_PARAMS,
     KvgateError,
@@ -36,7 +37,6 @@ from kvgate.routing.endpoints import Endpoint
 from kvgate.types import Headers, RequestContext
 from kvgate.upstream.answer_usage import answer_usage, parsed_usage
 from kvgate.upstream.attempts import judge
-from kvgate.upstream.engine_fields import unsalted
 from kvgate.upstream.failures import Phase, attempt_failure
 from kvgate.upstream.headers import upstream_headers
 from kvgate.upstream.moving_deadline import TIMER_RESOLUTION, MovingDeadline

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import orjson
 
+from kvgate.body_members import with_member
 from kvgate.types import RequestContext
-from kvgate.upstream.engine_fields import with_member
 
 _ASK = b'"stream_options":{"include_usage":true}'
 _ROUTES = frozenset({"chat", "completions"})
