@@ -165,11 +165,24 @@ class HealthConfig(_Strict):
 
 class EndpointConfig(_Strict):
     url: str
+    # Unset: `{pool}-{index}`. A name of the operator's keeps the endpoint's metric series,
+    # headers and admin name when endpoints are added or removed before it.
+    name: str | None = None
     api_key: str | None = None
     labels: dict[str, str] = Field(default_factory=dict)
     max_inflight: int | None = Field(None, gt=0)
     # Where the engine publishes its KV-cache events (precise routing; docs/routing.md).
     kv_events: EndpointKvEventsConfig | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _header_safe_name(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}", value):
+            raise ValueError(
+                "1 to 64 letters, digits, '.', '_', ':' or '-', starting with a letter or digit "
+                "(it goes into a response header, a metric label and an admin URL path)"
+            )
+        return value
 
     @field_validator("labels")
     @classmethod
@@ -247,6 +260,10 @@ class PoolConfig(_Strict):
     # HTTP port (an endpoint's own `kv_events` wins), and how to compute the engines' token ids.
     kv_events: PoolKvEventsConfig | None = None
     tokenizer: TokenizerConfig = TokenizerConfig()
+
+    def endpoint_name(self, index: int) -> str:
+        """The name of the pool's endpoint at `index`: its own, or `{pool}-{index}`."""
+        return self.endpoints[index].name or f"{self.name}-{index}"
 
     def kv_events_of(self, endpoint: EndpointConfig) -> EndpointKvEventsConfig | None:
         """Where `endpoint` publishes its KV events (None: nowhere, approximate routing)."""
@@ -495,10 +512,12 @@ def _cross_check(sections: dict[str, Any]) -> list[str]:
     pools: list[PoolConfig] = sections.get("pools") or []
     seen_pools: set[str] = set()
     seen_urls: dict[str, str] = {}
+    seen_names: dict[str, str] = {}
     seen_event_urls: dict[str, str] = {}
     replays: list[tuple[str, str]] = []
     for i, pool in enumerate(pools):
-        if pool.name in seen_pools:
+        duplicate_pool = pool.name in seen_pools
+        if duplicate_pool:
             problems.append(f"pools[{i}].name: duplicate pool name '{pool.name}'")
         seen_pools.add(pool.name)
         if pool.engine == "openai" and pool.price is not None and pool.price.gpu_hour is not None:
@@ -512,6 +531,14 @@ def _cross_check(sections: dict[str, Any]) -> list[str]:
                 first = seen_urls[endpoint.url]
                 problems.append(f"{where}: duplicate endpoint, already in {first}")
             seen_urls[endpoint.url] = where
+            name = pool.endpoint_name(j)
+            if name in seen_names and not duplicate_pool:
+                problems.append(
+                    f"pools[{i}].endpoints[{j}].name: endpoint name '{name}' is also "
+                    f"{seen_names[name]}'s (names label metrics and headers; give one of them "
+                    "a `name:` of its own)"
+                )
+            seen_names.setdefault(name, f"pools[{i}].endpoints[{j}]")
             problems.extend(_event_socket_problems(pool, endpoint, where, seen_event_urls))
         events = any(pool.kv_events_of(e) is not None for e in pool.endpoints)
         for j, endpoint in enumerate(pool.endpoints):

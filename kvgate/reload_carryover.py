@@ -1,14 +1,14 @@
 """What a reload keeps: the state of the endpoints and tenants that remain in the new config.
 
 An endpoint remains when the new config has an endpoint with the same URL in a pool of the same
-name (its name, `{pool}-{index}`, may change when endpoints are added or removed before it); a
-tenant remains when a tenant of the same name is configured. For those, the new app takes over
-the prefix index's entries, session affinity, drift counters, routing decision counts, circuit
-breakers, drained flags and the last telemetry, and (with in-memory state) the quota buckets and
-concurrency counts, open reservations included. Tables and breakers move rather than being
-copied, so requests begun before the reload, which finish on the old app, still report into
-them. Everything of the endpoints and tenants that are gone stays with the old app and goes when
-it is shut down.
+name (its default name, `{pool}-{index}`, may change when endpoints are added or removed before
+it); a tenant remains when a tenant of the same name is configured. For those, the new app takes
+over the prefix index's entries, session affinity, drift counters, routing decision counts,
+circuit breakers, drained flags and the last telemetry, and (with in-memory state) the quota
+buckets and concurrency counts, open reservations included. Tables and breakers move rather than
+being copied, so requests begun before the reload, which finish on the old app, still report
+into them. Everything of the endpoints and tenants that are gone stays with the old app and goes
+when it is shut down.
 
 With Redis state the quota buckets live in Redis and carry over by themselves; the new store
 adds the old one's counters (deltas, resyncs, Redis calls and failures, quota fallbacks) to

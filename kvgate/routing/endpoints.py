@@ -246,7 +246,7 @@ def build_pool(config: PoolConfig, routing: RoutingConfig | None = None) -> Pool
     limits = SaturationLimits.from_config(routing or RoutingConfig())
     endpoints = [
         Endpoint(
-            name=f"{config.name}-{i}",
+            name=config.endpoint_name(i),
             url=ep.url,
             pool=config.name,
             engine=config.engine,
@@ -378,7 +378,7 @@ class Fleet:
         return not candidates or any(not e.saturated for e in candidates)
 
     def endpoint(self, name: str) -> Endpoint | None:
-        """The endpoint called `name` (`{pool}-{index}`), if any."""
+        """The endpoint called `name` (its configured name or `{pool}-{index}`), if any."""
         return next((e for e in self.endpoints if e.name == name), None)
 
     def served_models(self) -> list[str]:

@@ -100,6 +100,43 @@ def test_an_open_breaker_stays_open_and_a_drained_endpoint_drained_across_a_relo
         assert [e["url"] for e in endpoints(server.url).values()] == [third]
 
 
+def test_a_named_endpoint_keeps_its_name_and_metric_series_across_a_reload(tmp_path, fleet):
+    """Names of the operator's (`endpoints[].name`) do not move when an endpoint before them is
+    removed: the header, the admin routes and the metrics' `endpoint` label keep meaning one
+    engine."""
+    first, second, _ = fleet.urls
+    config = config_dict([first, second])
+    config["pools"][0]["endpoints"][1]["name"] = "node-b:8000"
+    path = write(tmp_path / "gw.yaml", config)
+    gateway = ReloadableGateway(path)
+    with ServerThread(gateway) as server:
+        assert set(endpoints(server.url)) == {"sim-0", "node-b:8000"}
+        for _ in range(2):  # round robin: one each
+            assert chat(server.url).status_code == 200
+        text = httpx.get(server.url + "/metrics", timeout=5).text
+        before = sample_value(
+            text, "kvgate_routing_decisions_total", endpoint="node-b:8000", policy="round_robin"
+        )
+        assert before == 1
+        config["pools"][0]["endpoints"] = config["pools"][0]["endpoints"][1:]
+        write(path, config)
+        reload(server.url)
+        assert {name: e["url"] for name, e in endpoints(server.url).items()} == {
+            "node-b:8000": second
+        }
+        answer = chat(server.url)
+        assert answer.headers["x-kvgate-endpoint"] == "node-b:8000"
+        text = httpx.get(server.url + "/metrics", timeout=5).text
+        assert (
+            sample_value(
+                text, "kvgate_routing_decisions_total", endpoint="node-b:8000", policy="round_robin"
+            )
+            == 2
+        )
+        drained = httpx.post(server.url + "/admin/endpoints/node-b:8000/drain", headers=ADMIN)
+        assert (drained.status_code, drained.json()["state"]) == (200, "drained")
+
+
 def _tenant_limits(config: dict[str, Any], **limits: int) -> dict[str, Any]:
     config["auth"]["tenants"][0]["limits"] = limits
     return config
