@@ -2,7 +2,7 @@
 #
 #   docker run -p 8080:8080 kvgate
 #       the demo: a gateway over two embedded simulated engines, at http://localhost:8080/v1
-#   docker run -v ./config:/etc/kvgate -p 8080:8080 kvgate serve --config /etc/kvgate/gateway.yaml
+#   docker run -v "$PWD/my-config:/etc/kvgate" -p 8080:8080 kvgate serve --config /etc/kvgate/gateway.yaml
 #       production: your config file. Engine URLs in it must be reachable from inside the
 #       container: 127.0.0.1 there is the container itself, not the host (use the engines'
 #       hostnames, a Compose service name, or host.docker.internal).
