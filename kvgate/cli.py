@@ -20,6 +20,7 @@ from kvgate.config import Config, ConfigError, load_config, server_in_effect
 from kvgate.demo import run_demo
 from kvgate.http_server import use_header_timeout
 from kvgate.observability.log_format import LOG_FORMATS, logging_config
+from kvgate.observability.tracing import check_tracing_settings
 from kvgate.routing.policy import RoutingPolicy
 from kvgate.routing.policy_catalog import BUILTIN, load_policies, shipped_names, shipped_text
 from kvgate.routing.prompt_tokens import load_tokenizers
@@ -49,6 +50,7 @@ def _loaded(path: Path) -> tuple[Config, dict[str, RoutingPolicy]] | None:
         config = load_config(path)
         policies = load_policies(config)
         load_tokenizers(config)  # a pool's tokenizer directory must load
+        check_tracing_settings(config.observability.tracing)  # and the OTEL_* variables
         return config, policies
     except ConfigError as exc:
         problems = exc.problems
@@ -282,13 +284,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the gateway from a config file",
         description=f"Run the gateway from a config file. {_BIND_NOTE}",
     )
-    config_from_env = os.environ.get("KVGATE_CONFIG") or None
     serve.add_argument(
         "--config",
         type=Path,
-        default=config_from_env,
-        required=config_from_env is None,
-        help="YAML config file (default: $KVGATE_CONFIG)",
+        default=os.environ.get("KVGATE_CONFIG") or None,
+        help="YAML config file (default: $KVGATE_CONFIG; one of them is needed)",
     )
     serve.add_argument(
         "--host",
@@ -364,7 +364,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve" and args.config is None:
+        parser.error("serve needs a config file: --config FILE, or set KVGATE_CONFIG")
     return int(args.func(args))
 
 

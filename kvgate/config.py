@@ -411,19 +411,20 @@ class ConfigError(Exception):
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
-def _substitute_env(node: Any, loc: Loc, problems: list[str], document: YamlDocument | None) -> Any:
+def _substitute_env(node: Any, loc: Loc, unset: dict[Loc, list[str]]) -> Any:
+    """`node` with `${NAME}` references replaced; each value that names unset variables
+    without a default is added to `unset` (its key path → the variables)."""
     if isinstance(node, dict):
-        return {k: _substitute_env(v, (*loc, str(k)), problems, document) for k, v in node.items()}
+        return {k: _substitute_env(v, (*loc, str(k)), unset) for k, v in node.items()}
     if isinstance(node, list):
-        return [_substitute_env(v, (*loc, i), problems, document) for i, v in enumerate(node)]
+        return [_substitute_env(v, (*loc, i), unset) for i, v in enumerate(node)]
     if isinstance(node, str) and "${" in node:
 
         def replace(match: re.Match[str]) -> str:
             name, default = match.group(1), match.group(2)
             value = os.environ.get(name, default)
             if value is None:
-                where = document.where(loc) if document is not None else key_path(loc)
-                problems.append(f"{where}: environment variable {name} is not set")
+                unset.setdefault(loc, []).append(name)
                 return ""
             return value
 
@@ -452,10 +453,13 @@ def _model_at(loc: tuple[str | int, ...]) -> type[BaseModel] | None:
     return model if isinstance(model, type) and issubclass(model, BaseModel) else None
 
 
+def _key_loc(error: Any) -> Loc:
+    """The key path of a validation error (without pydantic's validator steps)."""
+    return tuple(p for p in error["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+
+
 def _describe(error: Any, document: YamlDocument | None) -> str:
-    loc: Loc = tuple(
-        p for p in error["loc"] if not (isinstance(p, str) and p.startswith("function-"))
-    )
+    loc = _key_loc(error)
     where = document.where(loc) if document is not None else key_path(loc)
     if error["type"] == "extra_forbidden":
         hint = ""
@@ -471,34 +475,52 @@ def _describe(error: Any, document: YamlDocument | None) -> str:
     return f"{where}: {message}"
 
 
+def _event_keys(pool: PoolConfig, endpoint: EndpointConfig, i: int, j: int) -> tuple[str, str]:
+    """The config keys that set `endpoint`'s KV-event PUB and replay sockets: its own
+    `kv_events`, or its pool's offsets."""
+    if endpoint.kv_events is not None:
+        own = f"pools[{i}].endpoints[{j}].kv_events"
+        return f"{own}.url", f"{own}.replay_url"
+    return f"pools[{i}].kv_events.port_offset", f"pools[{i}].kv_events.replay_port_offset"
+
+
 def _event_socket_problems(
-    pool: PoolConfig, endpoint: EndpointConfig, where: str, seen: dict[str, str]
+    pool: PoolConfig, i: int, j: int, seen: dict[str, str], replays: list[tuple[str, str, str]]
 ) -> list[str]:
     """An endpoint's KV-event sockets must be ports, and no two engines share one (one
-    engine's events would be taken for another's)."""
+    engine's events would be taken for another's). Its replay socket, which may be another
+    engine's PUB socket, is added to `replays` (key, endpoint, URL) to be checked once every
+    PUB socket is `seen`."""
+    endpoint = pool.endpoints[j]
     events = pool.kv_events_of(endpoint)
     if events is None:
         return []
+    who = f"pools[{i}].endpoints[{j}]"
+    pub_key, replay_key = _event_keys(pool, endpoint, i, j)
     problems = []
-    for url in (events.url, events.replay_url):
+    for key, url in ((pub_key, events.url), (replay_key, events.replay_url)):
         if url is None:
             continue
         if int(url.rsplit(":", 1)[1]) > 65535:
-            problems.append(f"{where}: its KV-event socket {url} is past port 65535")
+            problems.append(f"{key}: {who}'s KV-event socket {url} is past port 65535")
         host = urlsplit(url).hostname or ""
         if host in ("*", "0.0.0.0", "::"):
             problems.append(
-                f"{where}: {url} is an address to bind (as vLLM's --kv-events-config gives "
+                f"{key}: {url} is an address to bind (as vLLM's --kv-events-config gives "
                 "it), not one to connect to: name the engine's host"
             )
-    if events.replay_url is not None and events.replay_url == events.url:
-        problems.append(f"{where}: its KV-event replay socket is its PUB socket ({events.url})")
+    if events.replay_url is not None:
+        if events.replay_url == events.url:
+            problems.append(
+                f"{replay_key}: {who}'s KV-event replay socket is its PUB socket ({events.url})"
+            )
+        replays.append((replay_key, who, events.replay_url))
     if events.url in seen:
         problems.append(
-            f"{where}: KV events at {events.url} are also {seen[events.url]}'s (one engine's "
-            "events would be taken for another's)"
+            f"{pub_key}: {who}'s KV events at {events.url} are also {seen[events.url]}'s "
+            "(one engine's events would be taken for another's)"
         )
-    seen[events.url] = where
+    seen[events.url] = who
     return problems
 
 
@@ -514,7 +536,7 @@ def _cross_check(sections: dict[str, Any]) -> list[str]:
     seen_urls: dict[str, str] = {}
     seen_names: dict[str, str] = {}
     seen_event_urls: dict[str, str] = {}
-    replays: list[tuple[str, str]] = []
+    replays: list[tuple[str, str, str]] = []
     for i, pool in enumerate(pools):
         duplicate_pool = pool.name in seen_pools
         if duplicate_pool:
@@ -539,22 +561,18 @@ def _cross_check(sections: dict[str, Any]) -> list[str]:
                     "a `name:` of its own)"
                 )
             seen_names.setdefault(name, f"pools[{i}].endpoints[{j}]")
-            problems.extend(_event_socket_problems(pool, endpoint, where, seen_event_urls))
+            problems.extend(_event_socket_problems(pool, i, j, seen_event_urls, replays))
         events = any(pool.kv_events_of(e) is not None for e in pool.endpoints)
-        for j, endpoint in enumerate(pool.endpoints):
-            of = pool.kv_events_of(endpoint)
-            if of is not None and of.replay_url is not None:
-                replays.append((f"pools[{i}].endpoints[{j}].url", of.replay_url))
         if events and pool.tokenizer.kind == "none":
             problems.append(
                 f"pools[{i}].tokenizer: KV events need the engines' token ids: set kind "
                 "'hf' or 'sim'"
             )
-    for where, replay in replays:
+    for key, who, replay in replays:
         publisher = seen_event_urls.get(replay)
-        if publisher is not None and publisher != where:
+        if publisher is not None and publisher != who:
             problems.append(
-                f"{where}: its KV-event replay socket {replay} is {publisher}'s PUB socket "
+                f"{key}: {who}'s KV-event replay socket {replay} is {publisher}'s PUB socket "
                 "(a replay offset one above the PUB offset lands on the next engine's port)"
             )
     resilience: ResilienceConfig | None = sections.get("resilience")
@@ -637,12 +655,20 @@ def parse_config(
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(source, [*problems, "(top level): must be a mapping of keys to values"])
-    data = _substitute_env(data, (), problems, document)
+    unset: dict[Loc, list[str]] = {}
+    data = _substitute_env(data, (), unset)
+    problems.extend(
+        f"{document.where(loc) if document is not None else key_path(loc)}: environment "
+        f"variable {name} is not set"
+        for loc, names in unset.items()
+        for name in names
+    )
     try:
         config = Config.model_validate(data)
     except ValidationError as exc:
         errors = exc.errors()
-        problems.extend(_describe(e, document) for e in errors)
+        # A value whose variable is unset is reported as such, not as the empty string it became.
+        problems.extend(_describe(e, document) for e in errors if _key_loc(e) not in unset)
         invalid = {e["loc"][0] for e in errors if e["loc"]}
         problems.extend(_cross_check(_valid_sections(data, invalid)))
         raise ConfigError(source, problems) from None

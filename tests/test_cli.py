@@ -90,6 +90,33 @@ def test_check_config_names_the_broken_key(tmp_path: Path):
     assert good.returncode == 0, good.stderr
 
 
+def test_serve_without_a_config_says_both_ways_to_give_one():
+    env = {k: v for k, v in os.environ.items() if k != "KVGATE_CONFIG"}
+    out = subprocess.run([*KVGATE, "serve"], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 2
+    assert "serve needs a config file: --config FILE, or set KVGATE_CONFIG" in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "said"),
+    [
+        ("OTEL_TRACES_SAMPLER_ARG", "2", "$OTEL_TRACES_SAMPLER_ARG: must be a number from 0 to 1"),
+        ("OTEL_TRACES_EXPORTER", "zipkin", "unsupported trace exporter 'zipkin'"),
+        ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json", "unsupported OTLP protocol 'http/json'"),
+    ],
+)
+def test_check_config_refuses_the_tracing_environment_serve_would(tmp_path, variable, value, said):
+    config = tmp_path / "gw.yaml"
+    config.write_text("pools:\n  - name: a\n    endpoints: [{url: 'http://h:1'}]\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env |= {"OTEL_TRACES_EXPORTER": "otlp", variable: value}
+    for command in (["check-config", str(config)], ["serve", "--config", str(config)]):
+        out = subprocess.run(
+            [*KVGATE, *command], capture_output=True, text=True, env=env, timeout=60
+        )
+        assert out.returncode == 1 and said in out.stderr, (command, out.stderr)
+
+
 def test_serve_rejects_a_broken_config_without_starting(tmp_path: Path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("pools: []\n")

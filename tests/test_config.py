@@ -110,6 +110,30 @@ def test_every_problem_is_reported_with_its_key_path(tmp_path, monkeypatch):
     assert any(p.startswith("line 10, column 5: pools[1].endpoints:") for p in problems)
 
 
+def test_a_value_whose_variable_is_unset_is_reported_once(tmp_path, monkeypatch):
+    """Not also as the empty string the reference became (`sha256: must be 64 hex digits`)."""
+    for name in ("ADMIN_SHA", "HOST", "PORT"):
+        monkeypatch.delenv(f"KVGATE_TEST_{name}", raising=False)
+    problems = _problems(
+        tmp_path,
+        """\
+        auth:
+          admin_keys: [{id: ops-1, sha256: "${KVGATE_TEST_ADMIN_SHA}"}]
+        pools:
+          - name: a
+            endpoints: [{url: "http://${KVGATE_TEST_HOST}:${KVGATE_TEST_PORT}"}]
+        """,
+    )
+    assert problems == [
+        "line 2, column 28: auth.admin_keys[0].sha256: environment variable "
+        "KVGATE_TEST_ADMIN_SHA is not set",
+        "line 5, column 18: pools[0].endpoints[0].url: environment variable KVGATE_TEST_HOST is "
+        "not set",
+        "line 5, column 18: pools[0].endpoints[0].url: environment variable KVGATE_TEST_PORT is "
+        "not set",
+    ]
+
+
 @pytest.mark.parametrize(
     "query", ["ssl_keyfile=x", "socket_timeout=soon", "health_check_interval=often"]
 )
@@ -154,9 +178,10 @@ def test_kv_event_sockets_past_65535_or_shared_by_two_engines_are_config_problem
     with pytest.raises(ConfigError) as caught:
         parse_config({"pools": [past, shared]})
     assert caught.value.problems == [
-        "pools[0].endpoints[0].url: its KV-event socket tcp://h:77100 is past port 65535",
-        "pools[1].endpoints[1].url: KV events at tcp://h:5557 are also "
-        "pools[1].endpoints[0].url's (one engine's events would be taken for another's)",
+        "pools[0].kv_events.port_offset: pools[0].endpoints[0]'s KV-event socket tcp://h:77100 "
+        "is past port 65535",
+        "pools[1].endpoints[1].kv_events.url: pools[1].endpoints[1]'s KV events at tcp://h:5557 "
+        "are also pools[1].endpoints[0]'s (one engine's events would be taken for another's)",
     ]
 
 
@@ -178,12 +203,13 @@ def test_kv_event_sockets_an_engine_cannot_be_reached_on_are_config_problems():
     with pytest.raises(ConfigError) as caught:
         parse_config({"pools": [star, offsets]})
     assert caught.value.problems == [
-        "pools[0].endpoints[0].url: tcp://*:20100 is an address to bind (as vLLM's "
+        "pools[0].endpoints[0].kv_events.url: tcp://*:20100 is an address to bind (as vLLM's "
         "--kv-events-config gives it), not one to connect to: name the engine's host",
-        "pools[0].endpoints[1].url: its KV-event replay socket is its PUB socket (tcp://h:20200)",
-        "pools[1].endpoints[0].url: its KV-event replay socket tcp://g:20101 is "
-        "pools[1].endpoints[1].url's PUB socket (a replay offset one above the PUB offset "
-        "lands on the next engine's port)",
+        "pools[0].endpoints[1].kv_events.replay_url: pools[0].endpoints[1]'s KV-event replay "
+        "socket is its PUB socket (tcp://h:20200)",
+        "pools[1].kv_events.replay_port_offset: pools[1].endpoints[0]'s KV-event replay socket "
+        "tcp://g:20101 is pools[1].endpoints[1]'s PUB socket (a replay offset one above the PUB "
+        "offset lands on the next engine's port)",
     ]
 
 

@@ -127,6 +127,17 @@ def _otlp_protocol() -> str:
     return protocol
 
 
+def check_tracing_settings(config: TracingConfig) -> None:
+    """Raise ConfigError for the settings `build_tracing` would refuse (an exporter, protocol
+    or sampling ratio kvgate cannot use), before any app is built: `kvgate check-config`
+    reports them, and `kvgate serve` refuses to start on them."""
+    names = _exporter_names(config)
+    if names:
+        _sample_ratio(config)
+        if "otlp" in names:
+            _otlp_protocol()
+
+
 def _exporter_names(config: TracingConfig) -> list[str]:
     environ = os.environ
     if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
