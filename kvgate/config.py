@@ -11,7 +11,6 @@ construction.
 
 from __future__ import annotations
 
-import difflib
 import os
 import re
 from pathlib import Path
@@ -28,6 +27,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import ErrorDetails
 
 from kvgate.chain.settings import (
     AdmissionConfig,
@@ -47,9 +47,10 @@ from kvgate.yaml_source import (
     Loc,
     YamlDocument,
     YamlSourceError,
+    error_loc,
     key_path,
     read_yaml,
-    shown_value,
+    schema_problem,
 )
 
 EngineKind = Literal["vllm", "sglang", "openai"]
@@ -432,47 +433,9 @@ def _substitute_env(node: Any, loc: Loc, unset: dict[Loc, list[str]]) -> Any:
     return node
 
 
-def _model_at(loc: tuple[str | int, ...]) -> type[BaseModel] | None:
-    """The pydantic model that holds the key at `loc`, to suggest its real field names."""
-    model: Any = Config
-    for part in loc[:-1]:
-        if isinstance(part, int):
-            continue
-        fields = getattr(model, "model_fields", None) if isinstance(model, type) else None
-        field = fields.get(part) if fields is not None else None
-        if field is None:
-            return None
-        annotation = field.annotation
-        args = getattr(annotation, "__args__", ())
-        candidates = [annotation, *args]
-        model = next(
-            (c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None
-        )
-        if model is None:
-            return None
-    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
-
-
-def _key_loc(error: Any) -> Loc:
-    """The key path of a validation error (without pydantic's validator steps)."""
-    return tuple(p for p in error["loc"] if not (isinstance(p, str) and p.startswith("function-")))
-
-
-def _describe(error: Any, document: YamlDocument | None) -> str:
-    loc = _key_loc(error)
-    where = document.where(loc) if document is not None else key_path(loc)
-    if error["type"] == "extra_forbidden":
-        hint = ""
-        holder = _model_at(loc)
-        if holder is not None:
-            close = difflib.get_close_matches(str(loc[-1]), list(holder.model_fields), n=1)
-            if close:
-                hint = f" (did you mean '{close[0]}'?)"
-        return f"{where}: unknown key{hint}"
-    message = error["msg"].removeprefix("Value error, ")
-    if error["type"] != "missing" and "input" in error:
-        message += f" (got {shown_value(loc, error['input'])})"
-    return f"{where}: {message}"
+def _describe(error: ErrorDetails, document: YamlDocument | None) -> str:
+    loc, reason = schema_problem(error, Config)
+    return f"{document.where(loc) if document is not None else key_path(loc)}: {reason}"
 
 
 def _event_keys(pool: PoolConfig, endpoint: EndpointConfig, i: int, j: int) -> tuple[str, str]:
@@ -668,7 +631,7 @@ def parse_config(
     except ValidationError as exc:
         errors = exc.errors()
         # A value whose variable is unset is reported as such, not as the empty string it became.
-        problems.extend(_describe(e, document) for e in errors if _key_loc(e) not in unset)
+        problems.extend(_describe(e, document) for e in errors if error_loc(e) not in unset)
         invalid = {e["loc"][0] for e in errors if e["loc"]}
         problems.extend(_cross_check(_valid_sections(data, invalid)))
         raise ConfigError(source, problems) from None

@@ -4,14 +4,17 @@ the reason and the offending value (secrets masked)."""
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import yaml
+from pydantic import BaseModel
+from pydantic_core import ErrorDetails
 
 Loc = tuple[str | int, ...]
 # A key names a secret when its last word (split at `_`) is one of these: `api_key`,
@@ -60,6 +63,59 @@ def key_path(loc: Sequence[str | int]) -> str:
     for part in loc:
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out or "(top level)"
+
+
+# Parts of a validation error's location that name no key: pydantic's validator steps, and the
+# tags of the unions that read a value by its kind (e.g. a plugin's name or its mapping).
+_STEP_PREFIXES = ("function-", "one-of:")
+
+
+def error_loc(error: ErrorDetails) -> Loc:
+    """The key path of a validation error."""
+    return tuple(
+        p for p in error["loc"] if not (isinstance(p, str) and p.startswith(_STEP_PREFIXES))
+    )
+
+
+def schema_problem(error: ErrorDetails, root: type[BaseModel]) -> tuple[Loc, str]:
+    """A validation error of a file validated as `root`, as (key path, reason): an unknown key
+    with the closest real key of the model that holds it ("did you mean"), other reasons with
+    the offending value (secrets masked)."""
+    loc = error_loc(error)
+    if error["type"] == "extra_forbidden":
+        holder = _model_holding(root, loc)
+        close = difflib.get_close_matches(str(loc[-1]), list(holder.model_fields), n=1)
+        return loc, "unknown key" + (f" (did you mean '{close[0]}'?)" if close else "")
+    message = error["msg"].removeprefix("Value error, ")
+    if error["type"] != "missing" and "input" in error:
+        message += f" (got {shown_value(loc, error['input'])})"
+    return loc, message
+
+
+def _model_holding(root: type[BaseModel], loc: Loc) -> type[BaseModel]:
+    """The model whose field the last key of `loc` would be (`root` when the path leaves the
+    models, e.g. into a free-form mapping)."""
+    models = [root]
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        inner = [
+            model
+            for holder in models
+            if (found := holder.model_fields.get(part)) is not None
+            for model in _models_in(found.annotation)
+        ]
+        if not inner:
+            return root
+        models = inner
+    return models[0]
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The models a field's type annotation holds (in lists, unions, optionals)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [model for arg in get_args(annotation) for model in _models_in(arg)]
 
 
 def is_secret_name(name: str) -> bool:

@@ -14,9 +14,18 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, NoReturn, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    model_validator,
+)
+from pydantic_core import ErrorDetails
 
 from kvgate.chain.settings import LatencyClass
 from kvgate.globs import compile_globs
@@ -32,7 +41,15 @@ from kvgate.routing.plugins import (
     Scorer,
 )
 from kvgate.types import RequestContext, header_value
-from kvgate.yaml_source import Loc, YamlDocument, YamlSourceError, key_path, read_yaml
+from kvgate.yaml_source import (
+    Loc,
+    YamlDocument,
+    YamlSourceError,
+    key_path,
+    read_yaml,
+    schema_problem,
+    shown_value,
+)
 
 T = TypeVar("T")
 
@@ -77,6 +94,18 @@ class PluginSpec(_Strict):
     params: dict[str, Any] = Field(default_factory=dict)
 
 
+def _plugin_form(value: Any) -> str:
+    return "one-of:name" if isinstance(value, str) else "one-of:mapping"
+
+
+# A filter or picker is given by its name alone or as a mapping; the value's kind says which, so
+# a slip in a mapping is reported against the mapping alone (not also as "not a string").
+PluginRef = Annotated[
+    Annotated[str, Tag("one-of:name")] | Annotated[PluginSpec, Tag("one-of:mapping")],
+    Discriminator(_plugin_form),
+]
+
+
 class ScorerSpec(PluginSpec):
     # Strict: `true` or "2" is a slip in the file, not a weight.
     weight: float | None = Field(None, strict=True)
@@ -103,9 +132,9 @@ class MatchSpec(_Strict):
 
 class ProfileSpec(_Strict):
     objective: Objective | None = None
-    filters: list[str | PluginSpec] | None = None
+    filters: list[PluginRef] | None = None
     scorers: list[ScorerSpec] | None = None
-    picker: str | PluginSpec | None = None
+    picker: PluginRef | None = None
     pools: list[str] | None = None
     when_saturated: WhenSaturated | None = None
     fallback: FallbackSpec | None = None
@@ -237,8 +266,8 @@ def _build(
         return cls.create(cls.params.model_validate(params))
     except ValidationError as exc:
         for error in exc.errors():
-            message = error["msg"].removeprefix("Value error, ")
-            problems.append(((*where, "params", *error["loc"]), message))
+            loc, message = schema_problem(error, cls.params)
+            problems.append(((*where, "params", *loc), message))
         return None
 
 
@@ -279,14 +308,12 @@ def _profile(
         scorers_where = (*where, "scorers") if spec.scorers is not None else ("scorers",)
         for i, s in enumerate(scorer_specs):
             here = (*scorers_where, i)
+            scorer = _build(SCORERS, "scorer", s, here, problems)
             if s.weight is None:
                 problems.append(((*here, "weight"), "a scorer needs a weight"))
-                continue
-            if s.weight <= 0:
-                problems.append(((*here, "weight"), "must be greater than 0"))
-                continue
-            scorer = _build(SCORERS, "scorer", s, here, problems)
-            if scorer is not None:
+            elif s.weight <= 0:
+                problems.append(((*here, "weight"), f"must be greater than 0 (got {s.weight})"))
+            elif scorer is not None:
                 scorers.append((scorer, s.weight))
     picker_spec = pick("picker") or "max_score"
     picker = _build(
@@ -318,21 +345,17 @@ def build_policy(data: Any, source: str, document: YamlDocument | None = None) -
         raise PolicyError([f"{source}: {problem}" for problem in document.duplicates])
     if not isinstance(data, dict):
         raise PolicyError([f"{source}: (top level): must be a mapping of keys to values"])
+    problems: list[_Problem] = []
     try:
         spec = PolicySpec.model_validate(data)
     except ValidationError as exc:
-        raise PolicyError(
-            [
-                f"{source}: {document.where(e['loc']) if document else key_path(e['loc'])}: "
-                + (
-                    "unknown key"
-                    if e["type"] == "extra_forbidden"
-                    else e["msg"].removeprefix("Value error, ")
-                )
-                for e in exc.errors()
-            ]
-        ) from None
-    problems: list[_Problem] = []
+        errors = exc.errors()
+        problems.extend(_schema_problem(e) for e in errors)
+        # Unknown keys alone (a slip such as `pickr:`) hide nothing else: the file is checked
+        # on without them, so one run lists every problem.
+        if any(e["type"] != "extra_forbidden" for e in errors):
+            _raise(problems, source, document)
+        spec = PolicySpec.model_validate(_without(data, [e["loc"] for e in errors]))
     default = _profile(spec, None, (), problems)
     profiles = [_profile(r, spec, ("rules", i), problems) for i, r in enumerate(spec.rules)]
     named: dict[str, int] = {}
@@ -346,12 +369,7 @@ def build_policy(data: Any, source: str, document: YamlDocument | None = None) -
             )
         named.setdefault(rule.name, i)
     if problems:
-        raise PolicyError(
-            [
-                f"{source}: {document.where(loc) if document else key_path(loc)}: {message}"
-                for loc, message in problems
-            ]
-        )
+        _raise(problems, source, document)
     assert default is not None and all(p is not None for p in profiles)
     rules = [
         Rule(r.name or f"rules[{i}]", r.match, profile)
@@ -359,6 +377,46 @@ def build_policy(data: Any, source: str, document: YamlDocument | None = None) -
         if profile is not None
     ]
     return RoutingPolicy(spec.name or Path(source).stem, default, rules)
+
+
+def _schema_problem(error: ErrorDetails) -> _Problem:
+    loc, message = schema_problem(error, PolicySpec)
+    if error["type"] == "model_type" and error["loc"][-1] == "one-of:mapping":
+        given = shown_value(loc, error["input"])
+        message = f"must be a plugin's name or a mapping with its `type` (got {given})"
+    return loc, message
+
+
+def _without(data: dict[str, Any], locs: list[tuple[str | int, ...]]) -> dict[str, Any]:
+    """A copy of `data` without the keys at `locs` (paths through mappings and lists)."""
+    copy: Any = _copy_tree(data)
+    for loc in locs:
+        node = copy
+        for part in loc[:-1]:
+            if isinstance(part, str) and part.startswith("one-of:"):
+                continue
+            node = node[part]
+        node.pop(loc[-1], None)
+    return dict(copy)
+
+
+def _copy_tree(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {k: _copy_tree(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_copy_tree(v) for v in node]
+    return node
+
+
+def _raise(problems: list[_Problem], source: str, document: YamlDocument | None) -> NoReturn:
+    """Raise PolicyError with `problems`, each once (a rule that inherits the policy's filters
+    or scorers meets their problems again)."""
+    raise PolicyError(
+        [
+            f"{source}: {document.where(loc) if document else key_path(loc)}: {message}"
+            for loc, message in dict.fromkeys(problems)
+        ]
+    )
 
 
 def load_policy(path: str | Path) -> RoutingPolicy:

@@ -49,7 +49,7 @@ BAD = [
     ({"scorers": [{"type": "nope", "weight": 1}]}, "scorers[0]: unknown scorer 'nope'"),
     (
         {"filters": ["not_saturated", {"type": "labels", "params": {"mtach": {}}}]},
-        "filters[1].params.mtach: Extra inputs are not permitted",
+        "filters[1].params.mtach: unknown key (did you mean 'match'?)",
     ),
     (
         {"picker": {"type": "max_score", "params": {"tie_margin": 2}}},
@@ -60,7 +60,8 @@ BAD = [
         {"rules": [{"match": {"model": "x"}, "scorers": [{"type": "inflight"}]}]},
         "rules[0].scorers[0].weight: a scorer needs a weight",
     ),
-    ({"rules": [{"matc": {}}]}, "rules[0].matc: unknown key"),
+    ({"rules": [{"matc": {}}]}, "rules[0].matc: unknown key (did you mean 'match'?)"),
+    ({"filters": [5]}, "filters[0]: must be a plugin's name or a mapping with its `type` (got 5)"),
     ({"fallback": {"pool": "a", "model": "b"}}, "fallback: give exactly one of"),
     ([1, 2], "(top level): must be a mapping"),
     # A weight that is not a finite number would make every request fail.
@@ -104,6 +105,38 @@ def test_bad_policy_is_rejected_with_path_and_reason(data, problem):
     assert any(p.startswith("policies/x.yaml: ") and problem in p for p in caught.value.problems), (
         caught.value.problems
     )
+
+
+def test_one_check_lists_every_problem_of_a_policy_with_mistyped_keys():
+    """A mistyped key (`pickr:`) hides none of the other problems, a filter given as a mapping
+    is not also reported as "not a string", and a problem of the policy's own filters or
+    scorers is listed once, not again for each rule that inherits them."""
+    data = {
+        "pickr": "max_score",
+        "filters": ["not_saturatd", {"typ": "labels"}],
+        "scorers": [{"type": "predicted_tft", "weight": 0}],
+        "rules": [{"name": "r", "mach": {"model": "x"}}],
+    }
+    with pytest.raises(PolicyError) as caught:
+        build_policy(data, "x.yaml")
+    assert caught.value.problems == [
+        "x.yaml: filters[1].type: Field required",
+        "x.yaml: filters[1].typ: unknown key (did you mean 'type'?)",
+        "x.yaml: rules[0].mach: unknown key (did you mean 'match'?)",
+        "x.yaml: pickr: unknown key (did you mean 'picker'?)",
+    ]
+    del data["filters"][1]
+    with pytest.raises(PolicyError) as caught:
+        build_policy(data, "x.yaml")
+    assert caught.value.problems == [
+        "x.yaml: rules[0].mach: unknown key (did you mean 'match'?)",
+        "x.yaml: pickr: unknown key (did you mean 'picker'?)",
+        "x.yaml: filters[0]: unknown filter 'not_saturatd' (one of: fresh_telemetry, "
+        "jurisdiction, labels, not_saturated)",
+        "x.yaml: scorers[0]: unknown scorer 'predicted_tft' (one of: endpoint_cost, inflight, "
+        "kv_usage, predicted_ttft, prefix_match, queue_depth, session_affinity)",
+        "x.yaml: scorers[0].weight: must be greater than 0 (got 0.0)",
+    ]
 
 
 def test_config_names_policy_file_errors_under_the_pool(tmp_path):
