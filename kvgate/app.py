@@ -428,6 +428,7 @@ class GatewayApp:
                     + ", ".join(response_routes.METHODS),
                     code="method_not_allowed",
                 )
+            response_routes.check_subpath(rest, scope.get("raw_path"))
             server = self.config.server
             body = await read_body(headers, receive, server.max_body_bytes, server.body_timeout)
             ctx = stored_response_context(

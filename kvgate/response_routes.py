@@ -5,12 +5,16 @@ replays a background response's events as a stream) and `POST /v1/responses/{id}
 kvgate forwards those and any other method or subpath under the id as it came, query string
 included, and lets the engine answer: `responses_retrieve`, `responses_cancel`, and
 `responses_other` for the rest. HEAD is refused (405): its answer has no body, which the
-upstream client cannot frame.
+upstream client cannot frame. So is a subpath that could leave the id's routes once a hop
+normalises it (`/../../reset_prefix_cache` arrives with the gateway's engine key): a `.` or
+`..` segment, in the path or percent-encoded, or an encoded `/` (404 `unknown_url`).
 """
 
 from __future__ import annotations
 
-from urllib.parse import parse_qs, quote
+from urllib.parse import parse_qs, quote, unquote
+
+from kvgate.errors import NotFound
 
 PREFIX = "/v1/responses/"
 RETRIEVE = "responses_retrieve"
@@ -37,6 +41,19 @@ def split(path: str) -> tuple[str, str] | None:
     if not response_id:
         return None
     return response_id, slash + rest
+
+
+def check_subpath(rest: str, raw_path: bytes | None) -> None:
+    """Refuse (NotFound) a subpath after the id with a `.` or `..` segment, or a `/` the
+    client encoded (`raw_path`: the path as sent, when the server gives it)."""
+    segments = rest.split("/")[1:]
+    encoded_slash = raw_path is not None and b"%2f" in raw_path.lower()
+    if encoded_slash or any(unquote(s) in (".", "..") for s in segments):
+        raise NotFound(
+            f"Unknown route {PREFIX}{{response_id}}{rest}: no '.' or '..' segment or encoded "
+            "'/' may follow a response id",
+            code="unknown_url",
+        )
 
 
 def route_of(method: str, rest: str) -> str:

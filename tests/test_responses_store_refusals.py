@@ -3,6 +3,7 @@ leaves nothing behind, however it is given: retrieved, cancelled or continued.""
 
 from __future__ import annotations
 
+import http.client
 from collections.abc import Callable
 from typing import Any
 
@@ -231,3 +232,32 @@ def test_a_previous_response_id_that_is_not_a_string_is_400(store_fleet, gateway
     assert_refused_cleanly(
         answer, 400, "invalid_type", "previous_response_id", store_fleet, before, app, server
     )
+
+
+@pytest.mark.parametrize(
+    "subpath",
+    [
+        "/../../../reset_prefix_cache",
+        "/cancel/..",
+        "/./cancel",
+        "/%2e%2e/%2E%2E/%2e%2e/reset_prefix_cache",
+        "/..%2F..%2F..%2Freset_prefix_cache",
+        "%2F..",
+    ],
+)
+def test_a_subpath_that_could_leave_the_ids_routes_is_404(store_fleet, gateway, subpath):
+    """A hop that normalises paths would turn `/v1/responses/{id}/../../../x` into `/x`, sent
+    with the gateway's engine key: no `.` or `..` segment, literal or encoded, and no encoded
+    `/` reaches an engine."""
+    app, server = gateway
+    response_id, _ = stored(store_fleet, server)
+    before = received(store_fleet)
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    try:
+        path = f"/v1/responses/{response_id}{subpath}"
+        connection.request("POST", path, headers={"authorization": f"Bearer {ACME_KEY}"})
+        reply = connection.getresponse()
+        answer = httpx.Response(reply.status, headers=reply.getheaders(), content=reply.read())
+    finally:
+        connection.close()
+    assert_refused_cleanly(answer, 404, "unknown_url", None, store_fleet, before, app, server)
