@@ -151,6 +151,11 @@ class PayloadTooLarge(ClientError):
     default_code = "payload_too_large"
 
 
+class UnsupportedMediaType(ClientError):
+    status = 415
+    default_code = "unsupported_content_encoding"
+
+
 class GatewayRefused(KvgateError):
     pass
 

@@ -17,7 +17,7 @@ import orjson
 
 from kvgate import response_routes
 from kvgate.asgi import Receive, Scope
-from kvgate.errors import InvalidRequest, PayloadTooLarge, RequestTimeout
+from kvgate.errors import InvalidRequest, PayloadTooLarge, RequestTimeout, UnsupportedMediaType
 from kvgate.message_schema import check_message
 from kvgate.prompt_view import MEDIA_TOKENS, PromptView
 from kvgate.request_options import RequestOptions, parse_request_options, sane_request_id
@@ -54,7 +54,8 @@ async def read_body(
 ) -> bytes:
     """The request body; 413 before reading when Content-Length exceeds `limit`, and as soon as
     the bytes read exceed it otherwise; 408 when the whole body has not arrived within
-    `within` seconds (a client trickling bytes holds no connection for longer)."""
+    `within` seconds (a client trickling bytes holds no connection for longer); 415 for a
+    compressed body (`Content-Encoding`), which neither kvgate nor the engines decode."""
     for name, value in headers:
         if name == b"content-length":
             try:
@@ -65,7 +66,12 @@ async def read_body(
                 raise PayloadTooLarge(
                     f"request body of {declared} bytes exceeds the limit of {limit} bytes"
                 )
-            break
+        elif name == b"content-encoding" and value.strip().lower() not in (b"", b"identity"):
+            raise UnsupportedMediaType(
+                f"Content-Encoding {value.decode('latin-1')!r} is not supported: send the body "
+                "uncompressed",
+                code="unsupported_content_encoding",
+            )
     chunks: list[bytes] = []
     size = 0
     try:

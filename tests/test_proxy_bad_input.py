@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import socket
 
 import httpx
+import orjson
 import pytest
 
 from tests.conftest import gateway_config
@@ -253,6 +255,30 @@ def test_body_over_limit_by_content_length_is_413(upstream, start_gateway):
     response = httpx.post(server.url + CHAT_URL, content=big)
     _assert_openai_error(response, 413)
     assert engine.inference_requests == []
+
+
+def test_a_compressed_body_is_415_and_no_encoding_header_reaches_the_engine(upstream, gateway):
+    """Neither kvgate nor the engines decode a compressed body: it is refused by name, not
+    read as broken JSON; an `identity` encoding passes and is not forwarded (the engine gets
+    the bytes kvgate read, salted or not, never a header describing other bytes)."""
+    engine, _ = upstream
+    app, server = gateway
+    body = orjson.dumps({"model": "m1", "messages": [{"role": "user", "content": "hi"}]})
+    for encoding in ("gzip", "br", "deflate, gzip"):
+        content = gzip.compress(body) if encoding == "gzip" else body
+        response = httpx.post(
+            server.url + CHAT_URL, content=content, headers={"content-encoding": encoding}
+        )
+        error = _assert_openai_error(response, 415)
+        assert error["code"] == "unsupported_content_encoding"
+        assert repr(encoding) in error["message"]
+    assert engine.inference_requests == []
+    assert app.fleet.endpoints[0].inflight == 0
+    response = httpx.post(
+        server.url + CHAT_URL, content=body, headers={"content-encoding": "identity"}
+    )
+    assert response.status_code == 200, response.text
+    assert "content-encoding" not in engine.inference_requests[-1].headers
 
 
 def test_chunked_body_over_limit_is_cut_off_with_413(upstream, start_gateway):

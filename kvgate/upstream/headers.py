@@ -22,6 +22,7 @@ _NEVER_FORWARD = frozenset(
         b"host",
         b"content-length",
         b"content-type",
+        b"content-encoding",
         b"authorization",
         b"accept-encoding",
         b"x-request-id",
