@@ -19,8 +19,10 @@ received: completion tokens = tokens relayed before the break + the continuation
 tokens = the continuation's prompt minus the re-fed text. The re-read prompt is the resume
 overhead (`overhead_tokens`), reported separately.
 
-Eligible: streamed chat or completions, n = 1, no tools/functions, no logprobs, no `echo`,
-`best_of` ≤ 1, a string prompt, not already a continuation, no per-chunk usage stats.
+Eligible: streamed chat or completions, n = 1, no tools/functions, no logprobs (completions'
+`logprobs: 0` included) or prompt logprobs, no token ids in the output
+(`return_tokens_as_token_ids`, `return_token_ids`), no `echo`, `best_of` ≤ 1, a string prompt,
+not already a continuation, no per-chunk usage stats.
 """
 
 from __future__ import annotations
@@ -58,12 +60,20 @@ def resume_eligible(ctx: RequestContext) -> bool:
         for k in (
             "tools",
             "functions",
-            "logprobs",
             "top_logprobs",
             "echo",
             "continue_final_message",
+            "return_tokens_as_token_ids",
+            "return_token_ids",
         )
     ):
+        return False
+    # Completions' `logprobs: 0` still returns the sampled token's; prompt logprobs would be
+    # computed again over the re-fed text.
+    logprobs = payload.get("logprobs")
+    if (logprobs is not None and logprobs is not False) or payload.get(
+        "prompt_logprobs"
+    ) is not None:
         return False
     options = payload.get("stream_options")
     if isinstance(options, dict) and options.get("continuous_usage_stats"):

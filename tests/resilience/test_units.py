@@ -403,6 +403,10 @@ def test_config_cross_checks_resilience():
         ({"n": 2}, False),
         ({"tools": [{"type": "function"}]}, False),
         ({"logprobs": True}, False),
+        ({"logprobs": False}, True),
+        ({"prompt_logprobs": 0}, False),
+        ({"return_tokens_as_token_ids": True}, False),
+        ({"return_token_ids": True}, False),
         ({"continue_final_message": True}, False),
         ({"stream_options": {"continuous_usage_stats": True}}, False),
         # Structured outputs: a continuation would start the grammar over mid-output.
@@ -423,6 +427,13 @@ def test_resume_eligibility(extra, eligible):
     }
     assert resume_eligible(ctx_for(payload=payload)) is eligible
     assert not resume_eligible(ctx_for(stream=False))
+
+
+@pytest.mark.parametrize("logprobs,eligible", [(None, True), (0, False), (2, False)])
+def test_completions_logprobs_zero_is_not_resumed(logprobs, eligible):
+    """vLLM's completions `logprobs: 0` returns the sampled token's logprob in every chunk."""
+    payload = {"model": "m", "stream": True, "prompt": "hi", "logprobs": logprobs}
+    assert resume_eligible(ctx_for("completions", payload)) is eligible
 
 
 def chunk(
