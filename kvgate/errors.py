@@ -309,6 +309,9 @@ def _validation_detail(detail: list[Any]) -> tuple[str, str | None] | None:
     return "; ".join(problems), fields[0] or None
 
 
+UPSTREAM_AUTH_FAILED = "upstream_auth_failed"
+
+
 def upstream_error_from_body(
     status: int, body: bytes, retry_after: float | None = None, prompt_param: str = "messages"
 ) -> UpstreamError:
@@ -318,6 +321,17 @@ def upstream_error_from_body(
     `context_length_exceeded` (`param`: the engine's if it named one, else the completion
     limit when the message names it, else `prompt_param`, the body's prompt field), an unknown
     model `model_not_found`."""
+    if status in (401, 403):
+        # The engine refused the gateway's own key (`endpoints[].api_key`), never the
+        # client's (not forwarded): a gateway fault, not one the client's SDK should report as
+        # its key being wrong.
+        return UpstreamError(
+            f"the engine refused the gateway's credentials (HTTP {status}); the gateway's "
+            "operator must fix the endpoint's api_key",
+            status=502,
+            error_type="server_error",
+            code=UPSTREAM_AUTH_FAILED,
+        )
     message = f"upstream returned HTTP {status}"
     error_type: str | None = None
     param: str | None = None

@@ -11,6 +11,7 @@ The retry policy lives here as data, in one function; the forwarder only follows
 | engine 429 with Retry-After                        | yes   | no               | yes      |
 | engine 429 without Retry-After                     | no    | no               | yes      |
 | engine 500 and other 5xx                           | no    | yes              | yes      |
+| engine 401, 403: the endpoint's api_key refused    | yes   | yes              | no       |
 | engine 4xx (400, 404, 413, 422, ...)               | no    | no               | no       |
 | total deadline                                     | no    | yes (1)          | yes      |
 | stall after the first token                        | —     | yes              | yes      |
@@ -25,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvgate.errors import (
+    UPSTREAM_AUTH_FAILED,
     KvgateError,
     UpstreamError,
     UpstreamProtocolError,
@@ -51,6 +53,10 @@ def judge(error: KvgateError, client_shortened: bool = False) -> Verdict:
     """Classify the error of one attempt (see the table in the module docstring)."""
     if isinstance(error, UpstreamError):
         status = error.status
+        if error.code == UPSTREAM_AUTH_FAILED:
+            # The gateway's credentials, not the client's request: another endpoint may take
+            # them, and this one fails every request until its config is fixed.
+            return Verdict(retriable=True, endpoint_failure=True, overload=False)
         if status == 429:
             return Verdict(error.retry_after is not None, False, True, error.retry_after)
         if status >= 500:

@@ -268,3 +268,27 @@ def test_timeout_header_shortens_the_deadline(fleet, start_gateway):
     assert all(
         app.resilience.breakers[e].consecutive_failures == 0 for e in app.fleet.endpoints
     )  # the client's own limit blames no engine
+
+
+def test_an_engine_refusing_the_gateways_key_is_a_gateway_fault_retried_elsewhere(
+    fleet, start_gateway
+):
+    """A 401/403 from an engine is about the endpoint's `api_key`, which the client cannot fix
+    (its own key is never forwarded): the request is retried on another engine, the endpoint
+    counts a failure, and when every engine refuses the client gets a 502 server error, not an
+    authentication error that says its key is wrong."""
+    app, server = start_gateway(pool_config(fleet))
+    fleet.engines[0].set_fault({"mode": "http_error", "status": 401})
+    assert [
+        httpx.post(server.url + "/v1/chat/completions", json=chat(max_tokens=4)).status_code
+        for _ in range(4)
+    ] == [200] * 4
+    assert app.resilience.breakers[app.fleet.endpoints[0]].consecutive_failures >= 1
+    for engine in fleet.engines:
+        engine.set_fault({"mode": "http_error", "status": 403})
+    answer = httpx.post(server.url + "/v1/chat/completions", json=chat(max_tokens=4))
+    assert answer.status_code == 502, answer.text
+    error = answer.json()["error"]
+    assert (error["type"], error["code"]) == ("server_error", "upstream_auth_failed")
+    assert "api_key" in error["message"]
+    wait_for(lambda: all(e.inflight == 0 for e in app.fleet.endpoints))
