@@ -23,6 +23,9 @@ from kvgate.prompt_view import MEDIA_TOKENS, PromptView
 from kvgate.request_options import RequestOptions, parse_request_options, sane_request_id
 from kvgate.types import Headers, RequestContext
 
+# Longer than any served model name (a Hugging Face id is at most 96 characters; vLLM's default
+# name is the model's path): a request's model is echoed in errors, logs and traces.
+MAX_MODEL_CHARS = 1024
 INFERENCE_ROUTES: dict[str, str] = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
@@ -269,6 +272,12 @@ def parse_payload(route: str, body: bytes) -> tuple[dict[str, Any], str, bool]:
         raise InvalidRequest("request body must be a JSON object", code="invalid_type")
     _check_depth(body, payload)
     model = _require_str(payload, "model")
+    if len(model) > MAX_MODEL_CHARS:
+        raise InvalidRequest(
+            f"'model' is longer than {MAX_MODEL_CHARS} characters",
+            param="model",
+            code="invalid_value",
+        )
     if route == "chat":
         _check_messages(payload)
         _check_tools(payload)

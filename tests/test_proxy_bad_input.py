@@ -38,6 +38,12 @@ def _assert_openai_error(
         (CHAT_URL, b"[1, 2]", None),
         (CHAT_URL, b'{"messages": []}', "model"),
         (CHAT_URL, b'{"model": 7, "messages": [{"role": "user", "content": "x"}]}', "model"),
+        # Echoed in the 404 and written to every log line: no served name is that long.
+        (
+            CHAT_URL,
+            b'{"model": "' + b"m" * 1025 + b'", "messages": [{"role": "user", "content": "x"}]}',
+            "model",
+        ),
         (CHAT_URL, b'{"model": "m1"}', "messages"),
         (CHAT_URL, b'{"model": "m1", "messages": []}', "messages"),
         (CHAT_URL, b'{"model": "m1", "messages": "hi"}', "messages"),
