@@ -21,6 +21,11 @@ JSON = b"application/json"
 # calls once when the connection is lost before that request's response is complete. Without
 # the key (another server), the app watches `receive()` for `http.disconnect`.
 ON_DISCONNECT = "kvgate.on_disconnect"
+# A request's scope key holding a callable that drops its connection at once (the buffered
+# answer discarded), for a client that stopped reading a stream; kvgate's own server protocol
+# provides it. Without it (another server) the app returns and the server closes the
+# connection once what it buffered is written.
+ABORT = "kvgate.abort"
 
 
 async def send_bytes(

@@ -156,6 +156,15 @@ class UnsupportedMediaType(ClientError):
     default_code = "unsupported_content_encoding"
 
 
+class ClientStalled(KvgateError):
+    """A stream's client stopped reading it until the request's total deadline: its answer
+    cannot be delivered, so the connection is dropped (nothing more is sent)."""
+
+    status = 408
+    type = "invalid_request_error"
+    default_code = "client_read_timeout"
+
+
 class GatewayRefused(KvgateError):
     pass
 

@@ -9,18 +9,22 @@ byte (or of the connection being opened), or the connection is closed.
 
 It also calls the request's `ON_DISCONNECT` hook (`kvgate/asgi.py`) when the connection is
 lost before the response is complete, so the app learns that its client left without a task
-per request waiting in `receive()`.
+per request waiting in `receive()`, and gives the app an `ABORT` hook to drop a connection
+whose client stopped reading.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
+import struct
 from collections.abc import Callable
 from typing import cast
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from kvgate.asgi import ON_DISCONNECT
+from kvgate.asgi import ABORT, ON_DISCONNECT
 
 
 class HeaderDeadlineProtocol(HttpToolsProtocol):
@@ -37,6 +41,7 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self.scope[ON_DISCONNECT] = None  # type: ignore[literal-required]
+        self.scope[ABORT] = self._abort  # type: ignore[literal-required]
         self._arm()
 
     def on_headers_complete(self) -> None:
@@ -53,6 +58,17 @@ class HeaderDeadlineProtocol(HttpToolsProtocol):
             if hook is not None:
                 scope[ON_DISCONNECT] = None  # type: ignore[literal-required]
                 hook()
+
+    def _abort(self) -> None:
+        """Drop the connection now, with a reset: what the kernel still holds for a client
+        that stopped reading is discarded, not trickled out to it."""
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        if self.cycle is not None:
+            self.cycle.disconnected = True  # the answer ends here, on purpose
+        self.transport.abort()
 
     def _arm(self) -> None:
         self._disarm()

@@ -12,6 +12,7 @@ import orjson
 import pytest
 
 from tests.conftest import gateway_config
+from tests.metrics_text import sample_value
 from tests.sdk_clients import sdk_client
 from tests.servers import ServerThread
 
@@ -176,6 +177,87 @@ def test_stall_timeout_after_commit_is_an_error_event(upstream, start_gateway):
     assert response.status_code == 200
     last = orjson.loads(_events(response.content)[-1].removeprefix(b"data: "))
     assert last["error"]["code"] == "upstream_stall_timeout"
+
+
+def test_a_client_that_stops_reading_is_not_an_engine_stall_and_frees_its_place(
+    upstream, start_gateway
+):
+    """A client that never reads a fast stream blocks the gateway's writes to it: that time is
+    the client's, not the engine's silence. No stall timeout blames the engine (its breaker
+    counts nothing); at the total deadline the gateway drops the connection instead of
+    waiting to send a last error event, and the request's place is freed."""
+    engine, server_thread = upstream
+    engine.script.chunks, engine.script.padding = 4000, 16384  # ~64 MB, as fast as it goes
+    config = gateway_config([server_thread.url], timeouts={"stall": 0.3, "total": 3.0})
+    app, server = start_gateway(config)
+    body = orjson.dumps(CHAT)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as client:
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n" % len(body) + body
+        )
+        endpoint = app.fleet.endpoints[0]
+        deadline = time.monotonic() + 5
+        while not endpoint.inflight and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert endpoint.inflight == 1
+        deadline = time.monotonic() + 15
+        while endpoint.inflight and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert endpoint.inflight == 0  # freed at the total deadline
+        # The connection was reset: what the kernel held for the client is not trickled out.
+        received = 0
+        with pytest.raises(ConnectionResetError):
+            while chunk := client.recv(1 << 20):
+                received += len(chunk)
+    assert received < 4000 * 16384
+    breaker = app.resilience.breakers[app.fleet.endpoints[0]]
+    assert breaker.consecutive_failures == 0
+    text = httpx.get(server.url + "/metrics").text
+    assert (
+        sample_value(
+            text, "kvgate_upstream_attempts_total", endpoint="default-0", result="released"
+        )
+        == 1
+    )
+    assert (
+        sample_value(
+            text,
+            "kvgate_requests_total",
+            route="chat",
+            model="m1",
+            status="200",
+            outcome="client_read_timeout",
+        )
+        == 1
+    )
+
+
+def test_the_gateways_connections_all_in_use_is_its_own_limit_not_the_engines_failure(
+    upstream, start_gateway
+):
+    """With every upstream connection (`upstream.max_connections`) held by a long stream, a
+    request that waits for one in vain gets 503 `upstream_connections_exhausted`: the engine is
+    not blamed (its breaker counts nothing), nor reported as not accepting connections."""
+    engine, server_thread = upstream
+    engine.script.chunks, engine.script.gap = 20, 0.1
+    config = gateway_config(
+        [server_thread.url], upstream={"max_connections": 1}, timeouts={"connect": 0.2}
+    )
+    app, server = start_gateway(config)
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=CHAT) as held:
+        assert held.status_code == 200
+        answer = httpx.post(server.url + "/v1/chat/completions", json=CHAT)
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["error"]["code"] == "upstream_connections_exhausted"
+        assert answer.headers["retry-after"] == "1"
+        held.read()
+    assert app.resilience.breakers[app.fleet.endpoints[0]].consecutive_failures == 0
+    text = httpx.get(server.url + "/metrics").text
+    assert not sample_value(
+        text, "kvgate_upstream_attempts_total", endpoint="default-0", result="failure"
+    )
 
 
 def test_stream_with_every_gap_under_the_stall_limit_completes(upstream, start_gateway):

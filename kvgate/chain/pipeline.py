@@ -26,8 +26,8 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Protocol
 
-from kvgate.asgi import ON_DISCONNECT, Receive, Scope, Send, send_error
-from kvgate.errors import GatewayBug, KvgateError, drop_tracebacks
+from kvgate.asgi import ABORT, ON_DISCONNECT, Receive, Scope, Send, send_error
+from kvgate.errors import ClientStalled, GatewayBug, KvgateError, drop_tracebacks
 from kvgate.request_options import ENDPOINT, REQUEST_ID
 from kvgate.types import Forward, RequestContext, RequestTrace, Stage
 
@@ -105,6 +105,13 @@ class RequestChain:
             await self.forward(ctx, send)
             if ctx.outcome == "pending":
                 ctx.outcome = "ok"
+        except ClientStalled as stalled:
+            # Nothing more can reach a client that stopped reading: its connection goes now.
+            ctx.outcome = str(stalled.code)
+            ctx.responded = True
+            abort = scope.get(ABORT)
+            if abort is not None:
+                abort()
         except KvgateError as error:
             drop_tracebacks(error)
             await _answer_error(ctx, send, error)

@@ -26,6 +26,7 @@ from kvgate.asgi import Send, send_bytes
 from kvgate.body_members import unsalted
 from kvgate.errors import (
     PROMPT_PARAMS,
+    ClientStalled,
     KvgateError,
     UpstreamError,
     UpstreamProtocolError,
@@ -277,6 +278,9 @@ class AttemptRelay:
             scanner = SseScanner(strip_usage=ctx.strip_usage)
             chunks: AsyncIterator[bytes] = response.iter_raw()
             phase: Phase = "first_token"
+            # While a send waits for the client to read, the engine's timers do not run: only
+            # the total deadline bounds it (a client that stops reading is not a stalled engine).
+            writing = False
             error: KvgateError
             try:
                 async with MovingDeadline(first_token_until) as timer:
@@ -303,12 +307,15 @@ class AttemptRelay:
                     first = _relayed(request, first)
                     endpoint.first_token(ctx)  # prefill done: the attempt now counts as decoding
                     record.first_token()
+                    timer.move_to(deadline)
+                    writing = True
                     if ctx.committed:
                         await _send_body(send, first)
                     else:
                         if transcript is None:  # no retry or resume can need the prompt now
                             ctx.release_prompt()
                         await _commit(ctx, send, first)
+                    writing = False
                     phase = "stall"
                     record_gap = self.resilience.observer.token_gap_recorder(ctx.route)
                     relayed_at = time.perf_counter()
@@ -326,7 +333,13 @@ class AttemptRelay:
                             now = time.perf_counter()
                             record_gap(now - relayed_at)
                             relayed_at = now
-                        await _send_body(send, out)
+                        if out:
+                            timer.move_to(deadline)
+                            writing = True
+                            await send(
+                                {"type": "http.response.body", "body": out, "more_body": True}
+                            )
+                            writing = False
                     if scanner.error is None:
                         # Relay what the engine sends after [DONE] until it closes the stream.
                         await _send_body(send, _relayed(request, scanner.flush()))
@@ -335,7 +348,13 @@ class AttemptRelay:
                         if request.ids is not None:
                             await _send_body(send, request.ids.flush())
             except TimeoutError as expired:
-                error = _timed_out(expired, deadline, phase)
+                error = (
+                    ClientStalled(
+                        "the client stopped reading the stream until the request's deadline",
+                    )
+                    if writing
+                    else _timed_out(expired, deadline, phase)
+                )
             except TransportError as failure:
                 error = attempt_failure(failure, phase)
             except StopAsyncIteration:

@@ -15,6 +15,7 @@ The retry policy lives here as data, in one function; the forwarder only follows
 | engine 4xx (400, 404, 413, 422, ...)               | no    | no               | no       |
 | total deadline                                     | no    | yes (1)          | yes      |
 | stall after the first token                        | —     | yes              | yes      |
+| gateway's connections all in use; client not reading | no  | no (released)    | no       |
 
 (1) not when the client or the chain shortened that limit (see limits.py).
 Overload (the throttle's "not accepted") covers every failure and 429. Retry-After on 429/503
@@ -27,12 +28,14 @@ from dataclasses import dataclass
 
 from kvgate.errors import (
     UPSTREAM_AUTH_FAILED,
+    ClientStalled,
     KvgateError,
     UpstreamError,
     UpstreamProtocolError,
     UpstreamTimeout,
     UpstreamUnavailable,
 )
+from kvgate.upstream.failures import CONNECTIONS_EXHAUSTED
 
 _RETRIABLE_STATUS = frozenset({502, 503, 504})
 _LIMIT_CODES = frozenset({"upstream_first_token_timeout", "deadline_exceeded"})
@@ -44,9 +47,13 @@ class Verdict:
     endpoint_failure: bool
     overload: bool
     hold: float | None = None
+    # The engine had no part in the attempt's end (the gateway's own limit, or a client that
+    # stopped reading): counted as released, neither a failure nor an answer.
+    released: bool = False
 
 
 NEUTRAL = Verdict(retriable=False, endpoint_failure=False, overload=False)
+RELEASED = Verdict(retriable=False, endpoint_failure=False, overload=False, released=True)
 
 
 def judge(error: KvgateError, client_shortened: bool = False) -> Verdict:
@@ -63,6 +70,8 @@ def judge(error: KvgateError, client_shortened: bool = False) -> Verdict:
             hold = error.retry_after if status == 503 else None
             return Verdict(status in _RETRIABLE_STATUS, True, True, hold)
         return NEUTRAL
+    if isinstance(error, ClientStalled) or error.code == CONNECTIONS_EXHAUSTED:
+        return RELEASED
     if isinstance(error, UpstreamTimeout):
         blamed = not (client_shortened and error.code in _LIMIT_CODES)
         return Verdict(error.code != "deadline_exceeded", blamed, True)

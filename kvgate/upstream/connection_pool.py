@@ -22,6 +22,7 @@ from kvgate.upstream.h1_connection import (
     ConnectionLost,
     ConnectTimeout,
     H1Connection,
+    PoolExhausted,
 )
 
 _CLOSE_GRACE = 1.0  # seconds `close` waits for the sockets it closed to be gone
@@ -53,9 +54,11 @@ class ConnectionPool:
         conn = self._reuse(origin)
         if conn is not None:
             return conn
+        waiting = False
         try:
             async with asyncio.timeout(connect_timeout * 2):
                 while self._open >= self.config.max_connections:
+                    waiting = True
                     self._evict_oldest()  # if one is idle, its place frees once it is gone
                     waiter = asyncio.get_running_loop().create_future()
                     self._waiters.append(waiter)
@@ -63,6 +66,7 @@ class ConnectionPool:
                     conn = self._reuse(origin)
                     if conn is not None:
                         return conn
+                waiting = False
                 self._open += 1
                 try:
                     async with asyncio.timeout(connect_timeout):
@@ -74,6 +78,10 @@ class ConnectionPool:
                 conn.counted = True
                 return conn
         except TimeoutError:
+            if waiting:
+                raise PoolExhausted(
+                    f"all {self.config.max_connections} upstream connections stayed in use"
+                ) from None
             raise ConnectTimeout("no upstream connection (new or pooled) in time") from None
         except OSError:
             raise ConnectFailed("could not connect to the engine") from None

@@ -13,10 +13,16 @@ from __future__ import annotations
 
 from typing import Literal
 
-from kvgate.errors import UpstreamFailed, UpstreamTimeout, UpstreamUnavailable
-from kvgate.upstream.transport import ConnectFailed, ConnectTimeout, TransportError
+from kvgate.errors import (
+    KvgateError,
+    Overloaded,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
+from kvgate.upstream.transport import ConnectFailed, ConnectTimeout, PoolExhausted, TransportError
 
 Phase = Literal["first_token", "stall", "total"]
+CONNECTIONS_EXHAUSTED = "upstream_connections_exhausted"
 
 _TIMEOUT_ERRORS: dict[Phase, tuple[str, str]] = {
     "first_token": ("no first token from the engine in time", "upstream_first_token_timeout"),
@@ -31,8 +37,15 @@ _BROKE_WHERE: dict[Phase, str] = {
 }
 
 
-def attempt_failure(failure: TransportError | TimeoutError, phase: Phase) -> UpstreamFailed:
+def attempt_failure(failure: TransportError | TimeoutError, phase: Phase) -> KvgateError:
     """The error for a transport failure or an expired timer met in `phase`."""
+    if isinstance(failure, PoolExhausted):
+        # The gateway's own limit: the engine is not to blame, nor is another engine free of it.
+        return Overloaded(
+            f"the gateway has no free upstream connection ({failure}; upstream.max_connections)",
+            code=CONNECTIONS_EXHAUSTED,
+            retry_after=1,
+        )
     if isinstance(failure, ConnectTimeout):
         return UpstreamTimeout(
             "timed out connecting to the engine", code="upstream_connect_timeout"

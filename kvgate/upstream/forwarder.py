@@ -21,6 +21,7 @@ import asyncio
 from kvgate.asgi import Send
 from kvgate.config import TimeoutsConfig
 from kvgate.errors import (
+    ClientStalled,
     KvgateError,
     Overloaded,
     UpstreamError,
@@ -193,7 +194,10 @@ class Forwarder:
         error: KvgateError,
     ) -> None:
         """The stream broke after the commit point: resume it if allowed, else end it with an
-        error event."""
+        error event (a client that stopped reading gets none: its error goes to the chain,
+        which drops the connection)."""
+        if isinstance(error, ClientStalled):
+            raise error
         observer = self.resilience.observer
         pool = tried[0].pool
         while transcript is not None and ctx.resumes < self.resilience.settings.max_resumes:

@@ -53,6 +53,11 @@ class ConnectTimeout(TransportError):
     pass
 
 
+class PoolExhausted(TransportError):
+    """Every one of the gateway's upstream connections (`upstream.max_connections`) stayed in
+    use: the gateway's own limit, not the engine's failure."""
+
+
 class ConnectionLost(TransportError):
     pass
 

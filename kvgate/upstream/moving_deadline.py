@@ -22,10 +22,11 @@ class MovingDeadline:
     """`async with MovingDeadline(when) as deadline:` ... `deadline.move_to(later)`; `when` is
     in the loop's clock (`loop.time()`)."""
 
-    __slots__ = ("_cancelling", "_expired", "_handle", "_loop", "_task", "when")
+    __slots__ = ("_armed_at", "_cancelling", "_expired", "_handle", "_loop", "_task", "when")
 
     def __init__(self, when: float) -> None:
         self.when = when
+        self._armed_at = when
         self._expired = False
         self._handle: asyncio.TimerHandle | None = None
 
@@ -39,15 +40,18 @@ class MovingDeadline:
         return self
 
     def move_to(self, when: float) -> None:
-        """The deadline is `when` from now on (later: no timer work; earlier: re-armed)."""
-        if when < self.when and self._handle is not None:
+        """The deadline is `when` from now on (no timer work unless it is earlier than the
+        timer is armed for: a deadline moved later and back costs nothing)."""
+        if when < self._armed_at and self._handle is not None:
             self._handle.cancel()
             self._handle = self._loop.call_at(when, self._fire)
+            self._armed_at = when
         self.when = when
 
     def _fire(self) -> None:
         if self.when - self._loop.time() > TIMER_RESOLUTION:  # moved later since armed
             self._handle = self._loop.call_at(self.when, self._fire)
+            self._armed_at = self.when
             return
         self._handle = None
         self._expired = True

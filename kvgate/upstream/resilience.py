@@ -155,6 +155,9 @@ class AttemptRecord:
         self.observer.attempt_finished(self.name, "ok")
 
     def failed(self, verdict: Verdict) -> None:
+        if verdict.released:
+            self.abandoned()
+            return
         if self._done:
             return
         self._done = True

@@ -24,6 +24,7 @@ from kvgate.upstream.h1_connection import (
     ConnectionLost,
     ConnectTimeout,
     H1Connection,
+    PoolExhausted,
     TransportError,
 )
 
@@ -31,6 +32,7 @@ __all__ = [
     "ConnectFailed",
     "ConnectTimeout",
     "ConnectionLost",
+    "PoolExhausted",
     "TransportError",
     "UpstreamResponse",
     "UpstreamTransport",

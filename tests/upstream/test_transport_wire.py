@@ -19,7 +19,7 @@ from kvgate.config import UpstreamConfig
 from kvgate.upstream.transport import (
     ConnectFailed,
     ConnectionLost,
-    ConnectTimeout,
+    PoolExhausted,
     UpstreamTransport,
 )
 from tests.servers import ServerThread
@@ -239,7 +239,7 @@ async def test_max_connections_bounds_the_sockets_and_a_waiter_times_out(serve):
     transport = UpstreamTransport(UpstreamConfig(max_connections=1), connect_timeout=0.2)
     try:
         held = await transport.open(server.url, HEADERS, BODY)
-        with pytest.raises(ConnectTimeout):
+        with pytest.raises(PoolExhausted):  # the gateway's own limit, not a connect timeout
             await transport.open(server.url, HEADERS, BODY)
         waiting = asyncio.create_task(whole(transport, server.url))
         await asyncio.sleep(0.05)
