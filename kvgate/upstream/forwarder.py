@@ -152,8 +152,9 @@ class Forwarder:
         if self.picker is None or retry >= settings.max_attempts:
             raise stop("attempts")
         delay = full_jitter_delay(retry, settings.backoff_base, settings.backoff_cap)
-        remaining = limits.remaining()
-        if remaining <= delay or (error.retry_after or 0) > remaining:
+        # An engine's Retry-After is that engine's (it is held out of rotation): the retry
+        # goes to another, whatever the pause asked for.
+        if limits.remaining() <= delay:
             raise stop("deadline")
         held = budget.try_acquire()
         if not held and not (
