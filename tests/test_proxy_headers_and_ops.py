@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
+from email.utils import format_datetime
 
 import httpx
 import orjson
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import gateway_config
@@ -124,6 +127,31 @@ def test_a_path_with_a_trailing_slash_is_served_as_the_path_without_it(upstream,
         missing = httpx.post(server.url + path, json=CHAT)
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "unknown_url"
     assert len(engine.inference_requests) == 1
+
+
+@pytest.mark.parametrize(
+    ("given", "low", "high"),
+    [
+        ("7", 7, 7),
+        (
+            lambda: format_datetime(datetime.now(UTC) + timedelta(seconds=120), usegmt=True),
+            118,
+            121,
+        ),
+        ("99999999999999999999", 86_400, 86_400),  # at most a day
+        ("Wed, 21 Oct 2015 07:28:00 GMT", 1, 1),  # a date gone by: come back at once
+    ],
+)
+def test_an_engines_retry_after_is_read_in_both_of_its_forms(upstream, gateway, given, low, high):
+    """RFC 9110: delay-seconds or an HTTP-date; relayed as whole seconds, at most a day."""
+    engine, _ = upstream
+    engine.script.status = 503
+    value = given() if callable(given) else given
+    engine.script.extra_headers = [(b"retry-after", value.encode())]
+    _, server = gateway
+    answer = httpx.post(server.url + "/v1/chat/completions", json=CHAT)
+    assert answer.status_code == 503
+    assert low <= int(answer.headers["retry-after"]) <= high
 
 
 def test_no_authorization_upstream_without_endpoint_key(upstream, gateway):

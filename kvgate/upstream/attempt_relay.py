@@ -18,6 +18,8 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
 from typing import Any
 
 import orjson
@@ -47,6 +49,9 @@ from kvgate.upstream.response_id_rewrite import ResponseIdRewriter
 from kvgate.upstream.resume import StreamTranscript
 from kvgate.upstream.sse import MAX_EVENT_BYTES, SseProtocolError, SseScanner
 from kvgate.upstream.transport import TransportError, UpstreamResponse, UpstreamTransport
+
+# An engine asking for a pause longer than a day is read as a day.
+_MAX_RETRY_AFTER = 86_400.0
 
 
 class StreamBroken(Exception):
@@ -426,13 +431,24 @@ async def _send_body(send: Send, body: bytes) -> None:
 
 
 def _retry_after(response: UpstreamResponse) -> float | None:
+    """The engine's `Retry-After` in seconds (RFC 9110: delay-seconds or an HTTP-date), at
+    most a day; None when absent or unreadable."""
     value = response.headers.get("retry-after")
     if value is None:
         return None
     try:
-        return max(0.0, float(value))
+        seconds = float(value)
     except ValueError:
+        try:
+            when = parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        if when.tzinfo is None:
+            return None
+        seconds = (when - datetime.now(UTC)).total_seconds()
+    if seconds != seconds:  # NaN
         return None
+    return min(max(0.0, seconds), _MAX_RETRY_AFTER)
 
 
 def _looks_like_json(body: bytes) -> bool:
