@@ -27,10 +27,18 @@ class BreakerView(Protocol):
         Pure: asking has no side effect."""
         ...
 
+    def reopens_in(self) -> float:
+        """Seconds until an ejection or an engine's pause (`Retry-After`) ends; 0 when
+        neither keeps the endpoint out."""
+        ...
+
 
 class _NoBreaker:
     def admits(self) -> bool:
         return True
+
+    def reopens_in(self) -> float:
+        return 0.0
 
 
 NO_BREAKER: BreakerView = _NoBreaker()
@@ -364,6 +372,20 @@ class Fleet:
             and (pools is None or e.pool in pools)
             and (jurisdictions is None or e.labels.get("jurisdiction") in jurisdictions)
         ]
+
+    def back_in(
+        self, model: str, exclude: Collection[Endpoint] = (), pools: Collection[str] | None = None
+    ) -> float:
+        """Seconds until an endpoint serving `model` (in `pools`, not in `exclude`) may take
+        requests again, when only ejections and engines' pauses keep them all out (the
+        soonest ends first); 1 when something else does (health checks, telemetry, half-open
+        probes), which may change at any moment."""
+        waits = [
+            e.breaker.reopens_in()
+            for e in self._healthy_by_model.get(model, ())
+            if e not in exclude and (pools is None or e.pool in pools) and not e.drained
+        ]
+        return 1.0 if not waits or min(waits) <= 0 else max(1.0, min(waits))
 
     def has_capacity(
         self, model: str, jurisdictions: frozenset[str] | None, pinned: str | None = None

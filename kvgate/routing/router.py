@@ -64,7 +64,7 @@ def routable_candidates(
         raise Overloaded(
             f"No healthy endpoint serves the model '{model}' right now",
             code="no_healthy_endpoint",
-            retry_after=1,
+            retry_after=fleet.back_in(model, exclude, pools),
         )
     return candidates
 

@@ -99,6 +99,11 @@ class EndpointBreaker:
             return False
         return self._live_probes(now) < self.config.half_open_probes
 
+    def reopens_in(self) -> float:
+        now = self.clock()
+        opened = self.open_until - now if self.state is BreakerState.OPEN else 0.0
+        return max(0.0, self.held_until - now, opened)
+
     # --- attempts ----------------------------------------------------------------------
 
     def begin(self) -> int:

@@ -302,3 +302,18 @@ def test_an_engine_refusing_the_gateways_key_is_a_gateway_fault_retried_elsewher
     assert (error["type"], error["code"]) == ("server_error", "upstream_auth_failed")
     assert "api_key" in error["message"]
     wait_for(lambda: all(e.inflight == 0 for e in app.fleet.endpoints))
+
+
+def test_every_engine_paused_tells_the_client_when_the_first_pause_ends(fleet, start_gateway):
+    """Once every engine asked for a pause (held out of rotation), `no_healthy_endpoint` says
+    when the soonest hold ends, not "1 s" while the gateway knows better."""
+    app, server = start_gateway(pool_config(fleet))
+    for i, engine in enumerate(fleet.engines):
+        engine.set_fault({"mode": "http_error", "status": 503, "retry_after": 20 + i})
+    for _ in range(len(fleet.engines)):
+        httpx.post(server.url + "/v1/chat/completions", json=chat(max_tokens=4))
+    assert not any(app.resilience.breakers[e].admits() for e in app.fleet.endpoints)
+    answer = httpx.post(server.url + "/v1/chat/completions", json=chat(max_tokens=4))
+    assert answer.status_code == 503
+    assert answer.json()["error"]["code"] == "no_healthy_endpoint"
+    assert 15 <= int(answer.headers["retry-after"]) <= 20

@@ -9,8 +9,27 @@ from tests.routing.helpers import endpoint, fleet, telemetry
 
 
 class _Open:
+    def __init__(self, for_seconds: float = 30.0) -> None:
+        self.for_seconds = for_seconds
+
     def admits(self) -> bool:
         return False
+
+    def reopens_in(self) -> float:
+        return self.for_seconds
+
+
+def test_back_in_is_the_soonest_end_of_an_ejection_or_pause_when_only_they_keep_all_out():
+    """The Retry-After of a `no_healthy_endpoint`: told when the gateway knows, else 1 s."""
+    held = fleet(endpoint("a", breaker=_Open(12.5)), endpoint("b", breaker=_Open(40)))
+    assert held.back_in("m") == 12.5
+    assert held.back_in("m", exclude=[held.endpoints[0]]) == 40
+    soon = fleet(endpoint("a", breaker=_Open(0.2)))
+    assert soon.back_in("m") == 1.0  # never less than a second
+    # Out for a reason that may change at any moment (a half-open probe busy): 1 s.
+    busy = fleet(endpoint("a", breaker=_Open(0.0)), endpoint("b", breaker=_Open(40)))
+    assert busy.back_in("m") == 1.0
+    assert fleet(endpoint("a", healthy=False)).back_in("m") == 1.0
 
 
 def test_serving_keeps_healthy_admitted_endpoints_of_the_model():
