@@ -58,8 +58,8 @@ class ReloadableGateway:
     """Serves the `GatewayApp` built from the config file at `path`.
 
     `supervised` is for a worker of `kvgate serve --workers N`: there `POST /admin/reload`
-    checks the file and asks the supervising process (SIGHUP to the parent) to replace every
-    worker in turn, since one worker cannot reload its siblings.
+    checks the file and asks the supervising process (SIGHUP to the parent) to have every
+    worker reload it in place, since one worker cannot reach its siblings.
 
     `started`: the start-only `server` values when `kvgate serve` started, as the file said
     them (`file`) and as the process serves with them after its flags and environment
@@ -224,9 +224,9 @@ class ReloadableGateway:
             await send_bytes(send, 400, orjson.dumps({"error": refused}), JSON)
             return
         if self.supervised:
-            # uvicorn's supervisor replaces each worker in turn on SIGHUP (docs).
+            # The supervisor passes SIGHUP on to every worker (kvgate/worker_supervisor.py).
             os.kill(os.getppid(), signal.SIGHUP)
-            await send_bytes(send, 202, b'{"status":"restarting_workers"}', JSON)
+            await send_bytes(send, 202, b'{"status":"reloading_workers"}', JSON)
         else:
             await send_bytes(send, 200, b'{"status":"reloaded"}', JSON)
 

@@ -6,6 +6,7 @@ import concurrent.futures
 import os
 import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -182,16 +183,13 @@ def _models_seen(base: str, scrapes: int) -> set[tuple[str, ...]]:
     return seen
 
 
-def _models_seen_while_restarting(base: str) -> set[tuple[str, ...]]:
-    """As `_models_seen`; a retiring worker closes the connections it accepted but has not
-    read a request from yet (uvicorn's shutdown), which a client sees as a reset: try again."""
-    try:
-        return _models_seen(base, 6)
-    except httpx.TransportError:
-        return set()
-
-
-def test_workers_are_replaced_on_reload_and_a_broken_config_keeps_the_old_ones(tmp_path, redis):
+def test_workers_reload_in_place_keeping_their_connections_and_refuse_a_broken_config(
+    tmp_path, redis
+):
+    """SIGHUP (or `/admin/reload`) reaches every worker, and each reloads the file in place as
+    one process does: no worker is replaced, so a client's keep-alive connections and its
+    requests on them go on throughout; a file that does not load leaves every worker on the
+    config it has."""
     fast = EngineOptions(profile="fast")
     with (
         SimFleet.in_thread(engines=1, options=fast) as fleet,
@@ -199,25 +197,79 @@ def test_workers_are_replaced_on_reload_and_a_broken_config_keeps_the_old_ones(t
     ):
         port = free_port()
         config = write_config(tmp_path / "gw.yaml", fleet.urls, port, redis_url=redis.url)
-        with Serve(config, port, 2) as gateway:
+        with Serve(config, port, 2) as gateway, _KeepAliveTraffic(gateway.base) as traffic:
+            started = _worker_starts(gateway)
+            assert len(started) == 2
             good = config.read_text()
             config.write_text(good.replace("engine: vllm", "engine: tgi"))
             gateway.signal(signal.SIGHUP)
             deadline = time.monotonic() + 30
-            while not any("aborting the restart" in m for m in _messages(gateway)):
-                assert time.monotonic() < deadline, "the supervisor never refused the config"
+            while _count(gateway, "config reload refused") < 2:
+                assert time.monotonic() < deadline, "some worker never refused the config"
                 time.sleep(0.1)
             assert _models_seen(gateway.base, 6) == {("sim-model",)}
             refused = httpx.post(gateway.base + "/admin/reload", headers=ADMIN, timeout=10)
             assert refused.status_code == 400 and "tgi" in refused.text
             write_config(config, fleet.urls, port, redis_url=redis.url, extra_pool=newcomer.urls)
             answer = httpx.post(gateway.base + "/admin/reload", headers=ADMIN, timeout=10)
-            assert (answer.status_code, answer.json()) == (202, {"status": "restarting_workers"})
-            deadline = time.monotonic() + 40
-            while _models_seen_while_restarting(gateway.base) != {("sim-model", "sim-new")}:
+            assert (answer.status_code, answer.json()) == (202, {"status": "reloading_workers"})
+            deadline = time.monotonic() + 30
+            while _models_seen(gateway.base, 6) != {("sim-model", "sim-new")}:
                 assert time.monotonic() < deadline, "some worker never served the new config"
                 time.sleep(0.2)
+            assert _count(gateway, "config reloaded from") == 2
+            assert _worker_starts(gateway) == started  # the same two processes
             assert gateway.proc.poll() is None
+        assert traffic.failures == [] and traffic.answered > 0
+
+
+class _KeepAliveTraffic:
+    """Requests one after another on one keep-alive connection, in a thread, until the block
+    ends: a worker replaced under it would close it between two requests."""
+
+    def __init__(self, base: str) -> None:
+        self.base = base
+        self.answered = 0
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> _KeepAliveTraffic:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        body = {
+            "model": "sim-model",
+            "max_tokens": 2,
+            "messages": [{"role": "user", "content": "x"}],
+        }
+        headers = {"authorization": f"Bearer {KEY}"}
+        with httpx.Client(timeout=30) as client:
+            while not self._stop.is_set():
+                try:
+                    answer = client.post(
+                        self.base + "/v1/chat/completions", json=body, headers=headers
+                    )
+                except httpx.TransportError as error:
+                    self.failures.append(repr(error))
+                    continue
+                if answer.status_code != 200:
+                    self.failures.append(answer.text)
+                self.answered += 1
+                time.sleep(0.05)
+
+
+def _count(gateway: Serve, text: str) -> int:
+    return sum(text in m for m in _messages(gateway))
+
+
+def _worker_starts(gateway: Serve) -> list[str]:
+    return [m for m in _messages(gateway) if m.startswith("Started server process")]
 
 
 def test_a_killed_workers_queue_gauge_leaves_the_sums(tmp_path, redis):
