@@ -258,54 +258,42 @@ def test_cross_checks_duplicates(tmp_path):
     )
 
 
-def test_endpoint_names_are_unique_and_header_safe(tmp_path):
-    """An endpoint's own `name` may not take another's, its pool's default names included
-    (`{pool}-{index}`), and must fit a header, a metric label and a URL path segment."""
-    problems = _problems(
-        tmp_path,
-        """\
-        pools:
-          - name: a
-            endpoints:
-              - {url: "http://h:1", name: a-1}
-              - {url: "http://h:2"}
-              - {url: "http://h:3", name: "h100.node-7:8000"}
-          - name: b
-            endpoints:
-              - {url: "http://h:4", name: "h100.node-7:8000"}
-              - {url: "http://h:5", name: "gpu/5"}
-              - {url: "http://h:6", name: ""}
-        """,
-    )
+_NAMED_ENDPOINTS = """\
+pools:
+  - name: a
+    endpoints:
+      - {url: "http://h:1", name: a-1}
+      - {url: "http://h:2"}
+      - {url: "http://h:3", name: "h100.node-7:8000"}
+  - name: b
+    endpoints:
+      - {url: "http://h:4", name: "h100.node-7:8000"}
+"""
+
+
+def test_endpoint_names_are_header_safe(tmp_path):
+    """An endpoint's own `name` must fit a header, a metric label and a URL path segment."""
+    bad = '      - {url: "http://h:5", name: "gpu/5"}\n      - {url: "http://h:6", name: ""}\n'
     rule = (
         "1 to 64 letters, digits, '.', '_', ':' or '-', starting with a letter or digit (it goes "
         "into a response header, a metric label and an admin URL path)"
     )
-    assert problems == [
+    assert _problems(tmp_path, _NAMED_ENDPOINTS + bad) == [
         f"line 10, column 29: pools[1].endpoints[1].name: {rule} (got 'gpu/5')",
         f"line 11, column 29: pools[1].endpoints[2].name: {rule} (got '')",
-    ], problems
-    problems = _problems(
-        tmp_path,
-        """\
-        pools:
-          - name: a
-            endpoints:
-              - {url: "http://h:1", name: a-1}
-              - {url: "http://h:2"}
-              - {url: "http://h:3", name: "h100.node-7:8000"}
-          - name: b
-            endpoints:
-              - {url: "http://h:4", name: "h100.node-7:8000"}
-        """,
-    )
-    assert problems == [
+    ]
+
+
+def test_endpoint_names_are_unique(tmp_path):
+    """An endpoint's own `name` may not take another's, its pool's default names included
+    (`{pool}-{index}`)."""
+    assert _problems(tmp_path, _NAMED_ENDPOINTS) == [
         "pools[0].endpoints[1].name: endpoint name 'a-1' is also pools[0].endpoints[0]'s "
         "(names label metrics and headers; give one of them a `name:` of its own)",
         "pools[1].endpoints[0].name: endpoint name 'h100.node-7:8000' is also "
         "pools[0].endpoints[2]'s (names label metrics and headers; give one of them a `name:` "
         "of its own)",
-    ], problems
+    ]
 
 
 def test_two_keys_with_one_secret_are_refused(tmp_path):
