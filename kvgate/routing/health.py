@@ -82,6 +82,11 @@ class HealthMonitor:
         streak.probed = True
         now = time.monotonic() if now is None else now
         previous, streak.judged_at = streak.judged_at, now
+        if not ok and not endpoint.healthy and not first and self._serving(endpoint, now, previous):
+            # Passive evidence counts both ways: an endpoint routed in panic whose answers
+            # succeed is serving, whatever its health route says (a /health that hangs while
+            # the engine works would otherwise keep it, and /readyz, out for good).
+            ok = True
         if ok:
             streak.successes, streak.failures = streak.successes + 1, 0
         else:

@@ -77,6 +77,20 @@ def test_passive_evidence_wins_over_failed_probes():
     assert not endpoint.healthy
 
 
+def test_passive_evidence_brings_an_unhealthy_endpoint_back_though_its_probes_fail():
+    """Routed in panic, an endpoint whose /health hangs but whose answers succeed is serving:
+    each failed probe with a success since the previous one counts as a good probe."""
+    endpoint = _endpoint("a")
+    monitor = _monitor(Fleet([Pool("p", "vllm", "kvgate", [endpoint])]))
+    assert monitor.judge(endpoint, False, now=100.0) is True  # first probe: unhealthy
+    assert monitor.judge(endpoint, False, now=101.0) is False  # no traffic: stays out
+    endpoint.last_success = 101.5
+    assert monitor.judge(endpoint, False, now=102.0) is False  # one good of two
+    endpoint.last_success = 102.5
+    assert monitor.judge(endpoint, False, now=103.0) is True
+    assert endpoint.healthy
+
+
 def test_a_success_since_the_previous_probe_counts_however_late_the_probes_come():
     """A gateway whose loop is starved probes seconds apart instead of every second: a success
     after the previous probe's result is passive evidence, though older than a probe
