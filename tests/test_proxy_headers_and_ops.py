@@ -84,9 +84,10 @@ def test_a_body_request_id_names_the_request_when_no_header_does(upstream, gatew
     engine, _ = upstream
     _, server = gateway
     url = server.url + "/v1/chat/completions"
-    named = httpx.post(url, json={**CHAT, "request_id": "client-7"})
-    assert named.headers["x-request-id"] == "client-7"
-    assert engine.inference_requests[-1].headers["x-request-id"] == "client-7"
+    for given in ("client-7", "job/42#7"):  # any visible ASCII, as clients write them
+        named = httpx.post(url, json={**CHAT, "request_id": given})
+        assert named.headers["x-request-id"] == given
+        assert engine.inference_requests[-1].headers["x-request-id"] == given
     both = httpx.post(url, json={**CHAT, "request_id": "body-8"}, headers={"x-request-id": "h-8"})
     assert (
         engine.inference_requests[-1].headers["x-request-id"]
