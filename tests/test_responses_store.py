@@ -80,6 +80,10 @@ def test_a_retrieve_settles_without_the_usage_the_response_was_charged_at_its_ma
     client = sdk_client(base_url=server.url + "/v1", api_key="x", max_retries=0)
     created = client.responses.create(model="sim-model", input="Count me", max_output_tokens=2)
     assert client.responses.retrieve(created.id).usage == created.usage
+    # Settled once the answer is sent, which the client may see first.
+    deadline = time.monotonic() + 10
+    while not settled and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert settled == [("responses_retrieve", None)]
     tasks = [
         (sample.labels["model"], sample.value)
