@@ -18,7 +18,7 @@ import uvicorn
 from kvgate import __version__
 from kvgate.config import Config, ConfigError, load_config, server_in_effect
 from kvgate.demo import run_demo
-from kvgate.http_server import use_header_timeout
+from kvgate.http_server import use_header_limits
 from kvgate.observability.log_format import LOG_FORMATS, logging_config
 from kvgate.observability.tracing import check_tracing_settings
 from kvgate.routing.policy import RoutingPolicy
@@ -132,7 +132,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:  # the OTEL_* variables are read only when the app is built
         _print_problems(exc)
         return 1
-    use_header_timeout(config.server.header_timeout)
+    use_header_limits(config.server.header_timeout, config.server.max_header_bytes)
     public = uvicorn.Server(uvicorn.Config(app, **options))
     if config.server.admin_port is None:
         public.run()

@@ -99,6 +99,9 @@ class ServerConfig(_Strict):
     # clients hold no memory or socket for longer.
     body_timeout: float = Field(30.0, gt=0)
     header_timeout: float = Field(10.0, gt=0)
+    # Bytes of a request's line and headers (Envoy's default limit is 60 KiB): a client sending
+    # more gets 431 and its connection closed, before the headers fill the process's memory.
+    max_header_bytes: int = Field(64 * 1024, ge=4096)
     keepalive_timeout: float = Field(KEEPALIVE_SECONDS, gt=0)
     access_log: bool = True
     # A second listener for /metrics and /admin/* only (then unknown on `port`).
@@ -376,6 +379,7 @@ START_ONLY_SERVER_KEYS = (
     "port",
     "admin_port",
     "header_timeout",
+    "max_header_bytes",
     "keepalive_timeout",
     "drain_seconds",
 )

@@ -40,7 +40,7 @@ from kvgate.config import (
     with_server_in_effect,
 )
 from kvgate.errors import KvgateError, MethodNotAllowed
-from kvgate.http_server import use_header_timeout
+from kvgate.http_server import use_header_limits
 from kvgate.reload_carryover import carry_over
 from kvgate.routing.endpoints import Endpoint
 from kvgate.routing.policy_catalog import load_policies
@@ -312,5 +312,6 @@ def app_from_env() -> ReloadableGateway:
         for problem in exc.problems:
             log.error("config refused, this worker does not start: %s: %s", exc.source, problem)
         raise SystemExit(STARTUP_FAILURE) from None
-    use_header_timeout(gateway.current.config.server.header_timeout)
+    server = gateway.current.config.server
+    use_header_limits(server.header_timeout, server.max_header_bytes)
     return gateway

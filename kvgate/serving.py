@@ -23,7 +23,7 @@ def uvicorn_options(
 ) -> dict[str, Any]:
     """The server options of every way kvgate runs uvicorn (one process or several);
     `keepalive`: seconds before an idle keep-alive connection is closed. Requests' headers
-    have a deadline too (`kvgate/http_server.py`, `use_header_timeout`)."""
+    have a deadline too (`kvgate/http_server.py`, `use_header_limits`)."""
     return {
         "timeout_keep_alive": keepalive,
         "http": HeaderDeadlineProtocol,

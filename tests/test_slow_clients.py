@@ -1,6 +1,7 @@
-"""Slow and idle clients cost bounded resources: a body trickled slower than
+"""Slow, idle and oversized clients cost bounded resources: a body trickled slower than
 `server.body_timeout` gets 408 and its connection closed; headers trickled past
-`server.header_timeout` lose their connection; idle keep-alive connections are closed after the
+`server.header_timeout` lose their connection, and headers past `server.max_header_bytes` get
+431 before they are all read; idle keep-alive connections are closed after the
 keep-alive timeout; other clients are served meanwhile, and a thousand such connections cost a
 few MiB of the gateway's memory."""
 
@@ -61,6 +62,36 @@ def test_a_trickled_body_gets_408_and_others_are_served(upstream, start_gateway)
     assert time.monotonic() - started < 8  # one body_timeout, generously
     slow.close()
     assert len(engine.inference_requests) == 1  # the trickled request reached no engine
+
+
+def test_headers_past_the_limit_get_431_and_the_connection_closed_before_they_are_read(
+    upstream, start_gateway
+):
+    """No key is needed to send headers: without a limit three connections sending hundreds of
+    megabytes of them took the gateway's memory past 1.5 GB. Headers within the limit (64 KiB
+    by default) pass."""
+    engine, up = upstream
+    _, server = start_gateway(gateway_config([up.url]))
+    body = b'{"model": "m1", "messages": [{"role": "user", "content": "hi"}]}'
+    within = {"x-pad": "a" * 48000}
+    assert (
+        httpx.post(server.url + "/v1/chat/completions", content=body, headers=within).status_code
+        == 200
+    )
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as flood:
+        flood.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        sent, reply = 0, b""
+        with contextlib.suppress(OSError):  # the gateway closes while we still send
+            while sent < 64 * 1024 * 1024:
+                flood.sendall(b"X-Pad: " + b"a" * 8000 + b"\r\n")
+                sent += 8009
+        with contextlib.suppress(OSError):
+            while chunk := flood.recv(65536):
+                reply += chunk
+    assert sent < 8 * 1024 * 1024  # refused long before the flood ended
+    assert reply.startswith(b"HTTP/1.1 431"), reply[:100]
+    assert b'"request_header_fields_too_large"' in reply
+    assert len(engine.received) == 1  # the flood reached no engine
 
 
 def test_idle_keepalive_connections_are_closed(upstream, start_gateway):
