@@ -6,11 +6,13 @@ from __future__ import annotations
 import http.client
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import pytest
 
 from kvgate.app import GatewayApp
+from kvgate.routing.response_ids import client_id
 from kvgate.sim import SimFleet
 from tests.chain.helpers import IDLE, admission_state, make_key, tenant
 from tests.conftest import gateway_config
@@ -232,6 +234,34 @@ def test_a_previous_response_id_that_is_not_a_string_is_400(store_fleet, gateway
     assert_refused_cleanly(
         answer, 400, "invalid_type", "previous_response_id", store_fleet, before, app, server
     )
+
+
+@pytest.mark.parametrize(
+    ("engine_id", "code", "param"),
+    [
+        ("..", "unknown_response_id", "response_id"),
+        (".", "unknown_response_id", "response_id"),
+        ("%2e%2e", "unknown_response_id", "response_id"),
+        ("a/..", "unknown_url", None),  # its encoded `/` splits the id
+    ],
+)
+def test_a_made_id_whose_engine_part_is_a_path_step_is_404(
+    store_fleet, gateway, engine_id, code, param
+):
+    """Without `response_id_secret` anyone can make a token for an engine id: one that is `..`
+    (or holds a `/`) would put a path step into the engine's path after the id's prefix."""
+    app, server = gateway
+    made = client_id(engine_id, "acme", store_fleet.urls[0])
+    before = received(store_fleet)
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    try:
+        path = f"/v1/responses/{quote(made, safe='')}/reset_prefix_cache"
+        connection.request("POST", path, headers={"authorization": f"Bearer {ACME_KEY}"})
+        reply = connection.getresponse()
+        answer = httpx.Response(reply.status, headers=reply.getheaders(), content=reply.read())
+    finally:
+        connection.close()
+    assert_refused_cleanly(answer, 404, code, param, store_fleet, before, app, server)
 
 
 @pytest.mark.parametrize(

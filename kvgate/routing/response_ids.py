@@ -23,8 +23,9 @@ another tenant's response id) could make a token for it under their own key. Wit
 (the same on every replica) nobody can make a token without it. Setting or changing the secret
 retires the ids issued before: they answer 404 `response_not_found`.
 
-Errors (answered before anything is taken or sent): an id without the suffix, 404
-`unknown_response_id`; a suffix no endpoint of the fleet matches (its engine left the fleet,
+Errors (answered before anything is taken or sent): an id without the suffix, or whose engine
+part is not made as engines make theirs (letters, digits and `_.:+=~-`, starting with a letter
+or digit: never a path step such as `..`), 404 `unknown_response_id`; a suffix no endpoint of the fleet matches (its engine left the fleet,
 or the id is another tenant's), 404 `response_not_found`; an endpoint that matches but is not
 taking requests now (failing health checks, held out by its breaker, or, for a request that
 generates, drained), 503 `stored_response_unavailable` with Retry-After, as the response may
@@ -45,6 +46,10 @@ from kvgate.routing.endpoints import Endpoint, Fleet
 MARK = "_kvg"
 TOKEN_DIGITS = 16
 _TOKEN = re.compile(r"[0-9a-f]{16}")
+# What an engine's response id is made of (vLLM's `resp_` and a UUID's hex): it goes into the
+# path of the routes under the id, where a `..` or a `/` (an unkeyed token can be made for any
+# id) would reach another engine route once a hop normalises the path.
+_ENGINE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:+=~-]*")
 _PERSON = b"kvgate-resp-id"
 
 
@@ -88,7 +93,7 @@ def stored_at(
         response_id[-len(MARK) - TOKEN_DIGITS : -TOKEN_DIGITS],
         response_id[-TOKEN_DIGITS:],
     )
-    if not engine_id or mark != MARK or _TOKEN.fullmatch(given) is None:
+    if mark != MARK or _TOKEN.fullmatch(given) is None or _ENGINE_ID.fullmatch(engine_id) is None:
         raise NotFound(
             f"Response with id '{response_id}' not found: this gateway did not issue that id "
             f"(its response ids end in '{MARK}' and {TOKEN_DIGITS} hexadecimal digits)",
