@@ -25,11 +25,12 @@ retires the ids issued before: they answer 404 `response_not_found`.
 
 Errors (answered before anything is taken or sent): an id without the suffix, or whose engine
 part is not made as engines make theirs (letters, digits and `_.:+=~-`, starting with a letter
-or digit: never a path step such as `..`), 404 `unknown_response_id`; a suffix no endpoint of the fleet matches (its engine left the fleet,
-or the id is another tenant's), 404 `response_not_found`; an endpoint that matches but is not
-taking requests now (failing health checks, held out by its breaker, or, for a request that
-generates, drained), 503 `stored_response_unavailable` with Retry-After, as the response may
-well be there once it is back.
+or digit: never a path step such as `..`), 404 `unknown_response_id`; a suffix no endpoint of
+the fleet matches (its engine left the fleet, or the id is another tenant's), 404
+`response_not_found`; an endpoint that matches but is not taking requests now (failing health
+checks, held out by its breaker, or, for a request that generates, drained), 503
+`stored_response_unavailable` with Retry-After, as the response may well be there once it is
+back.
 """
 
 from __future__ import annotations
