@@ -115,7 +115,7 @@ class Classifier:
         if limit is None:
             limit = self.default_max_tokens
         n = payload.get("n")
-        return int(limit) * (n if isinstance(n, int) and n > 1 else 1)
+        return int(limit) * (n if isinstance(n, int) and n > 1 else 1) * _prompts(ctx)
 
     def classify(self, ctx: RequestContext, tenant: Tenant) -> Intent:
         rule = next((r for r in self.class_rules if r.matches(ctx)), None)
@@ -173,11 +173,22 @@ class ClassifyStage:
 
 
 def output_limit_field(ctx: RequestContext) -> str:
-    """The body field that limits the request's completion tokens: `max_output_tokens` for the
-    Responses API, else `max_completion_tokens` when given (OpenAI's newer name, which vLLM
-    prefers too), else `max_tokens`."""
+    """The body field that limits the request's completion tokens, as the engines read it:
+    `max_output_tokens` for the Responses API; for chat `max_completion_tokens` when given
+    (OpenAI's newer name, which vLLM prefers too), else `max_tokens`; for completions
+    `max_tokens` (their request has no `max_completion_tokens`: an engine ignores it)."""
     if ctx.route == "responses":
         return "max_output_tokens"
-    if ctx.payload.get("max_completion_tokens") is not None:
+    if ctx.route == "chat" and ctx.payload.get("max_completion_tokens") is not None:
         return "max_completion_tokens"
     return "max_tokens"
+
+
+def _prompts(ctx: RequestContext) -> int:
+    """The prompts a request generates for: a completions `prompt` that is a list of strings or
+    of token-id lists is a batch, each prompt generating up to the limit (vLLM and SGLang);
+    anything else is one."""
+    prompt = ctx.payload.get("prompt") if ctx.route == "completions" else None
+    if isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str | list):
+        return len(prompt)
+    return 1

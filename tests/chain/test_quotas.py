@@ -176,6 +176,38 @@ def test_request_larger_than_the_quota_is_400_naming_the_field(
     assert admission_state(app, server) == IDLE
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        # Completions have no `max_completion_tokens` (engines ignore it): `max_tokens` counts.
+        {"prompt": "hi", "max_completion_tokens": 1, "max_tokens": 200},
+        # A batch of prompts generates up to `max_tokens` for each.
+        {"prompt": [f"p{i}" for i in range(5)], "max_tokens": 40},
+        {"prompt": [[1, 2], [3, 4], [5, 6]], "max_tokens": 40},
+    ],
+)
+def test_a_completions_request_reserves_what_the_engine_will_generate(
+    upstream, start_gateway, body
+):
+    engine, up = upstream
+    app, server = start_gateway(_config(up.url, tokens_per_minute=100))
+    response = httpx.post(
+        server.url + "/v1/completions",
+        json={"model": "m1", **body},
+        headers={"authorization": f"Bearer {KEY}"},
+        timeout=10,
+    )
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == "tokens_exceed_quota"
+    assert engine.inference_requests == []
+    assert admission_state(app, server) == IDLE
+    one = {"model": "m1", "prompt": "hi", "max_tokens": 40}
+    answer = httpx.post(
+        server.url + "/v1/completions", json=one, headers={"authorization": f"Bearer {KEY}"}
+    )
+    assert answer.status_code == 200, answer.text
+
+
 @pytest.mark.parametrize("failure", ["upstream_500", "unknown_model", "bad_header"])
 def test_failures_release_everything(upstream, start_gateway, failure):
     engine, up = upstream
