@@ -31,7 +31,9 @@ from kvgate.state.redis_link import RedisLink, RedisUnavailable
 log = logging.getLogger("kvgate.state")
 
 # A bucket is a hash {level, updated}; it refills capacity/60 per second up to capacity and may
-# go negative (debt) when usage exceeds a reservation. Idle buckets expire once full anyway.
+# go negative (debt) when usage exceeds a reservation. A bucket expires a minute after it would
+# be full again: a missing bucket is a full one, so it must outlive any debt it holds (a fixed
+# expiry forgave a debt of minutes after two).
 _LOAD_BUCKET = """
 local function load(key, cap, now)
   local v = redis.call('HMGET', key, 'level', 'updated')
@@ -39,9 +41,9 @@ local function load(key, cap, now)
   if level == nil then return cap end
   return math.min(cap, level + (now - updated) * cap / 60)
 end
-local function store(key, level, now)
+local function store(key, level, now, cap)
   redis.call('HSET', key, 'level', tostring(level), 'updated', tostring(now))
-  redis.call('PEXPIRE', key, 120000)
+  redis.call('PEXPIRE', key, math.ceil(((cap - level) * 60 / cap + 60) * 1000))
 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -64,8 +66,8 @@ if tpm > 0 then
   if tl < need then wait_t = (need - tl) * 60 / tpm end
 end
 if wait_r > 0 or wait_t > 0 then return {0, tostring(wait_r), tostring(wait_t)} end
-if rpm > 0 then store(KEYS[1], rl - 1, now) end
-if tpm > 0 then store(KEYS[2], tl - need, now) end
+if rpm > 0 then store(KEYS[1], rl - 1, now, rpm) end
+if tpm > 0 then store(KEYS[2], tl - need, now, tpm) end
 return {1}
 """
 )
@@ -75,7 +77,7 @@ _ADJUST = (
     _LOAD_BUCKET
     + """
 local cap, amount = tonumber(ARGV[1]), tonumber(ARGV[2])
-store(KEYS[1], math.min(cap, load(KEYS[1], cap, now) + amount), now)
+store(KEYS[1], math.min(cap, load(KEYS[1], cap, now) + amount), now, cap)
 return 1
 """
 )

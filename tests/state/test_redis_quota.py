@@ -8,6 +8,7 @@ import multiprocessing
 import time
 
 import pytest
+import redis.asyncio
 
 from kvgate.state.quotas import QuotaExceeded, QuotaLimits, QuotaTooSmall
 from kvgate.state.redis_link import RedisLink
@@ -96,6 +97,32 @@ async def test_reserve_settle_release_and_retry_after(redis_server):
             await store.reserve("t", limits, 1)
         assert info.value.limit == "requests_per_minute"
     finally:
+        await store.stop()
+        await store.link.close()
+
+
+async def test_a_debt_outlives_the_buckets_expiry(redis_server):
+    """A missing bucket is a full one, so a bucket in debt must not expire before it would be
+    full again (a fixed two-minute expiry forgave a debt of five)."""
+    store = _store(redis_server.url)
+    store.start()
+    client = redis.asyncio.Redis.from_url(redis_server.url)
+    try:
+        limits = QuotaLimits(tokens_per_minute=600)
+        taken = await store.reserve("debtor", limits, 500)
+        store.settle(taken, used_tokens=3000)  # level 100 - 2,500: 3,000 tokens to refill
+        tokens_key = store._keys("debtor")[1]
+        deadline = time.monotonic() + 5
+        while float((await client.hget(tokens_key, "level")) or 0) > -2000:
+            assert time.monotonic() < deadline, "the settlement never reached Redis"
+            await asyncio.sleep(0.02)
+        refill = 3000 * 60 / 600  # seconds until full again
+        assert (await client.pttl(tokens_key)) / 1000 > refill
+        with pytest.raises(QuotaExceeded) as info:
+            await store.reserve("debtor", limits, 1)
+        assert info.value.retry_after > refill - 60
+    finally:
+        await client.aclose()
         await store.stop()
         await store.link.close()
 
