@@ -118,7 +118,8 @@ def _urgent_priority(value: object, higher_first: bool) -> bool:
 class AuthStage:
     """Sets `ctx.tenant` and `ctx.key_id`; for tenants with cache isolation, overwrites the
     body's `cache_salt` with the tenant's salt (taken out again for `engine: openai`
-    endpoints, `kvgate.body_members.unsalted`) and sets `ctx.cache_salt` for the
+    endpoints, `kvgate.body_members.unsalted`), for shared tenants replaces a `cache_salt` they
+    give with one in their own namespace (`Tenant.own_salt`), and sets `ctx.cache_salt` for the
     prefix index; brings a tenant's `priority` that would run ahead of every request that
     sets none, other tenants' included, back to 0 (`_urgent_priority`). Either re-serialises
     the payload once into `ctx.body`.
@@ -164,6 +165,9 @@ class AuthStage:
         changed = False
         added: bytes | None = None  # a member added to the client's bytes as they are
         salt = tenant.cache_salt
+        given = ctx.payload.get("cache_salt")
+        if salt is None and isinstance(given, str):
+            salt = tenant.own_salt(given)  # a shared tenant's own salt, in its namespace
         if salt is not None and ctx.route in _SALTED_ROUTES:
             if "cache_salt" in ctx.payload:  # the client's own, overwritten in place
                 changed = True

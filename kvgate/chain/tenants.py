@@ -24,8 +24,9 @@ from kvgate.state.quotas import QuotaLimits
 
 ANONYMOUS = "anonymous"
 ANONYMOUS_TIER = "silver"
-# Used when no `auth.cache_salt_secret` is set: salts still differ per tenant (isolation
-# holds), they are just derivable from the tenant name.
+# Used when no `auth.cache_salt_secret` is set: salts still differ per tenant, they are just
+# derivable from the tenant name. Isolation holds because no tenant can send a salt of its
+# choosing: an isolated tenant's is replaced, a shared tenant's namespaced (`Tenant.own_salt`).
 _DEFAULT_SALT_KEY = b"kvgate-cache-salt-v1"
 
 
@@ -42,9 +43,16 @@ class Tenant:
     residency: frozenset[str] | None
     cache_salt: str | None
     _models: re.Pattern[str] | None
+    _salt_secret: str | None = None
 
     def may_use(self, model: str) -> bool:
         return self._models is None or self._models.fullmatch(model) is not None
+
+    def own_salt(self, given: str) -> str:
+        """The salt a shared tenant's request sends for the `cache_salt` it gave: one of its
+        own, which no other tenant's salt (nor another tenant's `given`) can equal, so a
+        tenant that knows or guesses another's salt cannot read that tenant's cache."""
+        return cache_salt_for(f"{self.name}\x00{given}", self._salt_secret)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +86,7 @@ def build_tenant(config: TenantConfig, tier: TierConfig, salt_secret: str | None
             cache_salt_for(config.name, salt_secret) if config.cache_isolation == "tenant" else None
         ),
         _models=models,
+        _salt_secret=salt_secret,
     )
 
 

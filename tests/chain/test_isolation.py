@@ -122,15 +122,25 @@ def test_a_tenant_cannot_put_its_requests_ahead_with_the_engines_priority(
     assert engine.inference_requests[-1].body["priority"] == -100
 
 
-def test_salts_differ_per_tenant_and_shared_tenants_keep_their_body(upstream, start_gateway):
+def test_salts_differ_per_tenant_and_a_shared_tenants_own_salts_stay_in_its_namespace(
+    upstream, start_gateway
+):
+    """A shared tenant may salt its requests (to keep its own users apart), but the salt that
+    reaches the engine is one of its own: sending the gold tenant's salt (derivable from its
+    name without `cache_salt_secret`) does not read the gold tenant's cache."""
     engine, up = upstream
     _, server = start_gateway(_config(up.url))
     chat(server.url, GOLD)
     chat(server.url, BRONZE)
-    chat(server.url, OPEN, cache_salt="client-choice")
-    salts = [r.body.get("cache_salt") for r in engine.inference_requests]
-    assert salts[0] != salts[1] and all(salts[:2])
-    assert salts[2] == "client-choice"
+    chat(server.url, OPEN)
+    for given in ("client-choice", "client-choice", "other", cache_salt_for("gold", SECRET)):
+        chat(server.url, OPEN, cache_salt=given)
+    gold, bronze, unsalted, choice, again, other, stolen = [
+        r.body.get("cache_salt") for r in engine.inference_requests
+    ]
+    assert gold != bronze and gold and bronze
+    assert unsalted is None  # no salt given: the shared cache
+    assert choice == again and len({choice, other, stolen, gold, "client-choice"}) == 5
 
 
 def test_headers_cannot_change_tenant_or_raise_priority(upstream, start_gateway):
