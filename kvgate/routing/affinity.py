@@ -2,23 +2,32 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
 
 from kvgate.types import RequestContext
 
+# Longer session ids are kept as their digest: the table holds up to 100,000 of them.
+_MAX_SESSION_CHARS = 256
+
 
 def session_key(ctx: RequestContext) -> str | None:
     """The client's session: `x-kvgate-session-id` or `x-kvgate-workflow-id` header, else the
-    body's `user` field. Scoped by model, so one session may use several models."""
+    body's `user` field. Scoped by tenant (one tenant naming another's session neither finds
+    nor moves it) and by model, so one session may use several models."""
     session = ctx.options.session_id
-    if session is not None:
-        return f"{ctx.model}\x00h\x00{session}"
-    user = ctx.payload.get("user")
-    if isinstance(user, str) and user:
-        return f"{ctx.model}\x00u\x00{user}"
-    return None
+    kind = "h"
+    if session is None:
+        user = ctx.payload.get("user")
+        if not isinstance(user, str) or not user:
+            return None
+        session, kind = user, "u"
+    if len(session) > _MAX_SESSION_CHARS:
+        session = hashlib.blake2b(session.encode(errors="replace"), digest_size=16).hexdigest()
+    tenant = ctx.tenant.name if ctx.tenant is not None else ""
+    return f"{tenant}\x00{ctx.model}\x00{kind}\x00{session}"
 
 
 class SessionAffinity:

@@ -4,6 +4,7 @@ affinity, explain, exclusions; and exactly-once load accounting per attempt."""
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -89,6 +90,26 @@ def test_session_affinity_from_user_field_and_headers():
     chosen = picker.choose(ctx("tiny", headers=header))
     assert picker.choose(ctx("tiny", headers=header)) is chosen
     assert len(services.affinity) == 2
+
+
+def test_session_affinity_is_the_tenants_own_and_long_ids_are_kept_as_digests():
+    """A tenant naming another tenant's session id neither finds its endpoint nor moves it;
+    a session id of a megabyte costs the table no more than a short one."""
+    a, b = endpoint("a"), endpoint("b")
+    picker, services = _picker(a, b)
+    acme, mallory = SimpleNamespace(name="acme"), SimpleNamespace(name="mallory")
+    header = [(b"x-kvgate-session-id", b"victim-42")]
+    theirs = ctx("tiny", headers=header)
+    theirs.tenant = acme
+    held = picker.choose(theirs)
+    held.inflight = 5  # the other endpoint is now the least loaded
+    mine = ctx("tiny", headers=header)
+    mine.tenant = mallory
+    assert picker.choose(mine) is not held
+    huge = ctx("tiny", user="u" * 1_000_000)
+    huge.tenant = acme
+    picker.choose(huge)
+    assert max(len(key) for key in services.affinity._sessions) < 400
 
 
 def test_exclusions_and_errors():
