@@ -103,10 +103,10 @@ class Authenticator:
 
 def _urgent_priority(value: object, higher_first: bool) -> bool:
     """Whether `value`, read as the engine reads a `priority` (pydantic's lax int: a whole
-    float, or a numeric string with spaces around it), runs ahead of the default 0: below 0
-    on vLLM, above 0 on SGLang (`higher_first`, its default order). A value the engine
-    cannot read as a number is left for it to refuse."""
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
+    float, a boolean as 0 or 1, or a numeric string with spaces around it), runs ahead of the
+    default 0: below 0 on vLLM, above 0 on SGLang (`higher_first`, its default order). A value
+    the engine cannot read as a number is left for it to refuse."""
+    if not isinstance(value, int | float | str):  # a bool is an int: `true` is 1
         return False
     try:
         number = float(value.strip()) if isinstance(value, str) else float(value)

@@ -102,7 +102,7 @@ def _config_on(url: str, engine_kind: str) -> dict:
             [0, 5, 0, 0, 0, 0, 0, "x", True],
         ),
         # SGLang: higher runs first (its default order)
-        ("sglang", [1000, "3", 2.0, -5, 0], [0, 0, 0, -5, 0]),
+        ("sglang", [1000, "3", 2.0, -5, 0, True, False], [0, 0, 0, -5, 0, 0, False]),
     ],
 )
 def test_a_tenant_cannot_put_its_requests_ahead_with_the_engines_priority(
