@@ -153,14 +153,19 @@ def without_credentials(text: str) -> str:
     query = parts.query
     if query:
         pairs = parse_qsl(query, keep_blank_values=True)
-        query = urlencode([(k, _MASK if is_secret_name(k) else v) for k, v in pairs], safe="*")
+        query = urlencode(
+            [(k, _MASK if _SECRET_NAME_PART.search(k) else v) for k, v in pairs], safe="*"
+        )
     return urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
+# A URL query parameter holds a secret when its name holds one of these (`apikey`, `api-key`,
+# `access_token`, `X-Amz-Signature`, `auth`, `sig`), in a URL shown or in free text.
+_SECRET_WORD = "|".join(sorted(_SECRET_WORDS | {"auth", "sig"}))
+_SECRET_NAME_PART = re.compile(_SECRET_WORD, re.IGNORECASE)
 # In free text (a library's log line): a URL's password, and the value of a query parameter
 # whose name holds a secret word, with or without the scheme and host around it.
 _URL_PASSWORD = re.compile(r"(\b[a-zA-Z][\w+.-]*://[^/\s:@]+:)[^@\s/]+@")
-_SECRET_WORD = "|".join(sorted(_SECRET_WORDS))
 _SECRET_PARAMETER = re.compile(
     rf"([?&][^=&\s]*(?:{_SECRET_WORD})[^=&\s]*=)[^&\s'\"]+", re.IGNORECASE
 )

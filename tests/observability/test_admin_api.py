@@ -243,6 +243,15 @@ def test_redis_passwords_in_urls_are_redacted(fleet):
     assert state["url"] == "redis://kvgate:***@redis.internal:6379/0?password=***&db=0"
 
 
+@pytest.mark.parametrize("name", ["apikey", "api-key", "auth", "sig", "X-Amz-Signature"])
+def test_secret_query_parameters_of_endpoint_urls_are_redacted(fleet, name):
+    """As the log filter masks them: a query parameter whose name holds a secret word."""
+    config = config_dict(fleet.urls)
+    config["pools"][0]["endpoints"][1]["url"] = f"{fleet.urls[1]}/x?{name}=s3cr3t&region=eu"
+    pools = redacted_config(parse_config(config))["pools"]
+    assert pools[0]["endpoints"][1]["url"] == f"{fleet.urls[1]}/x?{name}=***&region=eu"
+
+
 def test_admin_routes_on_the_admin_listener_only(tmp_path, fleet):
     config = write(tmp_path / "gw.yaml", config_dict(fleet.urls, server={"admin_port": 0}))
     gateway = ReloadableGateway(config)
