@@ -21,13 +21,13 @@ from kvgate.admin_listener import is_admin_route, unknown_route
 from kvgate.asgi import JSON, Message, Receive, Scope, Send, send_bytes, send_error
 from kvgate.chain.admin import AdminRoutes
 from kvgate.chain.admission import AdmissionController, AdmissionStage
-from kvgate.chain.auth import AuthStage
+from kvgate.chain.auth import Authenticator, AuthStage, RevokedKey
 from kvgate.chain.classify import Classifier, ClassifyStage
 from kvgate.chain.model_routes import ModelRoutes, is_model_route
 from kvgate.chain.pipeline import RequestChain
 from kvgate.chain.responses_gate import ResponsesStage
 from kvgate.chain.stored_responses import StoredResponseStage
-from kvgate.chain.tenants import TenantDirectory
+from kvgate.chain.tenants import KeyRecord, TenantDirectory
 from kvgate.config import Config, StateConfig
 from kvgate.cors import with_cors
 from kvgate.errors import KvgateError, MethodNotAllowed, Overloaded
@@ -144,6 +144,7 @@ class GatewayApp:
             self.metrics.trace_exporter_restarts.inc,
         )
         self.tenants = TenantDirectory(config.auth, config.tiers)
+        self.key_checker = Authenticator(self.tenants)
         self.classifier = Classifier(config.classification)
         self.admission = AdmissionController(
             self.picker,
@@ -390,6 +391,8 @@ class GatewayApp:
                     f"{scope['method']} is not allowed on {scope['path']}; use POST",
                     code="method_not_allowed",
                 )
+            # The key first: a body is read and parsed (its CPU) only for a client with one.
+            key = self._verified_key(headers)
             server = self.config.server
             body = await read_body(headers, receive, server.max_body_bytes, server.body_timeout)
             payload, _, _ = parse_payload(route, body)
@@ -404,6 +407,7 @@ class GatewayApp:
                 options=parse_request_options(headers),
                 started=started,
             )
+            ctx.verified_key = key
         except ClientGone:
             return None
         except KvgateError as error:
@@ -429,6 +433,7 @@ class GatewayApp:
                     code="method_not_allowed",
                 )
             response_routes.check_subpath(rest, scope.get("raw_path"))
+            key = self._verified_key(headers)
             server = self.config.server
             body = await read_body(headers, receive, server.max_body_bytes, server.body_timeout)
             ctx = stored_response_context(
@@ -440,6 +445,7 @@ class GatewayApp:
                 chars_per_token=self.config.classification.chars_per_token,
                 started=started,
             )
+            ctx.verified_key = key
         except ClientGone:
             return
         except KvgateError as error:
@@ -447,6 +453,13 @@ class GatewayApp:
             await self._refused(route, headers, error, send, allowed)
             return
         await self.stored_chain.handle(ctx, scope, receive, send)
+
+    def _verified_key(self, headers: Headers) -> KeyRecord | None:
+        """The client's key, checked (401 / 403 raised) before its body is read; None on an
+        open gateway."""
+        if self.tenants.open:
+            return None
+        return self.key_checker.verify(headers)
 
     async def _refused(
         self, route: str, headers: Headers, error: KvgateError, send: Send, allowed: bytes
@@ -464,7 +477,8 @@ class GatewayApp:
         """Send `error` (with the `extra` headers), count it and log it."""
         await send_error(send, error, extra)
         self.metrics.observe_rejected(route, error.status, str(error.code))
-        self.access_log.rejected(request_id, route, error)
+        key_id = error.key_id if isinstance(error, RevokedKey) else None
+        self.access_log.rejected(request_id, route, error, key_id)
 
     def _local_load(self) -> dict[str, ReplicaLoad]:
         """This replica's load on each engine, by URL (names are positions in a config; see

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from kvgate.chain.intent import Intent
-    from kvgate.chain.tenants import Tenant
+    from kvgate.chain.tenants import KeyRecord, Tenant
     from kvgate.prompt_view import PromptView
     from kvgate.request_options import RequestOptions
     from kvgate.routing.endpoints import Endpoint
@@ -72,6 +72,9 @@ class RequestContext:
     # Request chain (kvgate/chain): who asks, what kind of work it is, and by when.
     tenant: Tenant | None = None
     key_id: str | None = None
+    # The client's key, checked at ingress before its body was read (None: not checked yet,
+    # or an open gateway); the auth stage takes it from there.
+    verified_key: KeyRecord | None = None
     # The client asked to see routing scores and may (kvgate/chain/auth.py).
     explain: bool = False
     intent: Intent | None = None

@@ -142,11 +142,13 @@ class AuthStage:
         if self.directory.open:
             ctx.tenant = self.directory.anonymous
             return
-        try:
-            record = self.authenticator.verify(ctx.client_headers)
-        except RevokedKey as revoked:
-            ctx.key_id = revoked.key_id
-            raise
+        record = ctx.verified_key
+        if record is None:
+            try:
+                record = self.authenticator.verify(ctx.client_headers)
+            except RevokedKey as revoked:
+                ctx.key_id = revoked.key_id
+                raise
         tenant = record.tenant
         if tenant is None:
             raise PermissionDenied(

@@ -58,7 +58,11 @@ class AccessLog:
             record["cost_dollars"] = cost
         log.info(orjson.dumps(record).decode(), extra={FIELDS: record})
 
-    def rejected(self, request_id: str, route: str, error: KvgateError) -> None:
+    def rejected(
+        self, request_id: str, route: str, error: KvgateError, key_id: str | None = None
+    ) -> None:
+        """A request refused at ingress; `key_id`: a revoked key's (a rotation is when an
+        operator reads these lines)."""
         if not self.enabled or not log.isEnabledFor(logging.INFO):
             return
         record = {
@@ -67,4 +71,6 @@ class AccessLog:
             "status": error.status,
             "outcome": error.code,
         }
+        if key_id is not None:
+            record["key_id"] = key_id
         log.info(orjson.dumps(record).decode(), extra={FIELDS: record})
