@@ -14,13 +14,18 @@ this tenant, 503 when that endpoint is not taking requests), the request is pinn
 model fallback, no routing by prefix, no retry elsewhere: `ctx.pinned`) and sent with the
 engine's own id in that field, the only change to its body. All of this before admission, so
 a refused request takes nothing.
+
+A background create (`background: true`) is answered at once, and the engine generates after;
+its usage is never seen, so it is charged its reservation. Under a token quota it must set
+`max_output_tokens` (400 otherwise): the engine's own default is the rest of the context,
+tens of thousands of tokens the reservation would not count.
 """
 
 from __future__ import annotations
 
 import orjson
 
-from kvgate.errors import NotFound
+from kvgate.errors import InvalidRequest, NotFound
 from kvgate.routing.endpoints import Fleet
 from kvgate.routing.response_ids import ResponseIds, check_available, stored_at
 from kvgate.types import RequestContext
@@ -37,6 +42,18 @@ class ResponsesStage:
         tenant = ctx.tenant
         assert tenant is not None, "the auth stage runs first"
         ids = ctx.response_ids = ResponseIds(tenant.name, key=self.key)
+        if (
+            ctx.payload.get("background") is True
+            and tenant.quota.tokens_per_minute is not None
+            and ctx.payload.get("max_output_tokens") is None
+        ):
+            raise InvalidRequest(
+                "A background response must set max_output_tokens under a token quota: it is "
+                "charged its reservation, as the gateway never sees what the engine generates "
+                "after answering",
+                param="max_output_tokens",
+                code="missing_required_parameter",
+            )
         previous = ctx.payload.get("previous_response_id")
         if previous is None:
             self._check_served(ctx, self.fleet.home_pool(ctx.model))

@@ -208,6 +208,25 @@ def test_a_completions_request_reserves_what_the_engine_will_generate(
     assert answer.status_code == 200, answer.text
 
 
+def test_a_background_response_under_a_token_quota_must_bound_its_output(upstream, start_gateway):
+    """The engine generates a background response after answering: the gateway never sees its
+    usage and charges the reservation, which counts only a `max_output_tokens` it was given."""
+    engine, up = upstream
+    app, server = start_gateway(_config(up.url, tokens_per_minute=1000))
+    body = {"model": "m1", "input": "hi", "background": True, "store": True}
+    headers = {"authorization": f"Bearer {KEY}"}
+    refused = httpx.post(server.url + "/v1/responses", json=body, headers=headers)
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert (error["code"], error["param"]) == ("missing_required_parameter", "max_output_tokens")
+    assert engine.inference_requests == []
+    assert admission_state(app, server) == IDLE
+    bounded = httpx.post(
+        server.url + "/v1/responses", json={**body, "max_output_tokens": 50}, headers=headers
+    )
+    assert bounded.status_code == 200, bounded.text
+
+
 @pytest.mark.parametrize("failure", ["upstream_500", "unknown_model", "bad_header"])
 def test_failures_release_everything(upstream, start_gateway, failure):
     engine, up = upstream
