@@ -11,6 +11,8 @@ from kvgate.types import RequestContext
 
 # Longer session ids are kept as their digest: the table holds up to 100,000 of them.
 _MAX_SESSION_CHARS = 256
+# Expired sessions dropped per `set`: more than one, so the table shrinks while traffic lasts.
+_SWEEP_PER_SET = 4
 
 
 def session_key(ctx: RequestContext) -> str | None:
@@ -54,15 +56,26 @@ class SessionAffinity:
 
     def set(self, key: str, endpoint: str, now: float | None = None) -> None:
         sessions = self._sessions
-        sessions[key] = (endpoint, time.monotonic() if now is None else now)
+        now = time.monotonic() if now is None else now
+        sessions[key] = (endpoint, now)
         sessions.move_to_end(key)
+        # Least recently used first: drop a few expired sessions from the head on every set,
+        # so sessions that never come back drain faster than new ones arrive instead of
+        # staying until `max_sessions` pushes them out, at a bounded cost per request.
+        for _ in range(_SWEEP_PER_SET):
+            oldest = next(iter(sessions))
+            if now - sessions[oldest][1] <= self.ttl:
+                break
+            del sessions[oldest]
         while len(sessions) > self.max_sessions:
             sessions.popitem(last=False)
 
     def adopt(self, old: SessionAffinity, names: Mapping[str, str]) -> None:
         """Keep `old`'s sessions on the endpoints that remain after a reload (`names`: old
-        endpoint name → new name), least recently used first, at most `max_sessions`."""
+        endpoint name → new name), least recently used first, at most `max_sessions`, and
+        none that has expired under the new `ttl`."""
+        now = time.monotonic()
         for key, (endpoint, touched) in old._sessions.items():
             new_name = names.get(endpoint)
-            if new_name is not None:
+            if new_name is not None and now - touched <= self.ttl:
                 self.set(key, new_name, touched)

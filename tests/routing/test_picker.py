@@ -10,6 +10,7 @@ import pytest
 
 from kvgate.errors import NotFound, Overloaded
 from kvgate.routing.policy import build_policy
+from kvgate.routing.affinity import SessionAffinity
 from kvgate.routing.policy_catalog import builtin_policy
 from kvgate.routing.router import ModelFallbackStage, PickStage, PolicyPicker, PoolRouter
 from kvgate.routing.services import RoutingServices
@@ -110,6 +111,23 @@ def test_session_affinity_is_the_tenants_own_and_long_ids_are_kept_as_digests():
     huge.tenant = acme
     picker.choose(huge)
     assert max(len(key) for key in services.affinity._sessions) < 400
+
+
+def test_expired_sessions_leave_the_table_and_are_not_carried_over_a_reload():
+    """Sessions that never come back drain while traffic lasts (not kept until 100,000
+    others push them out), and a reload does not copy sessions that have expired."""
+    table = SessionAffinity(ttl=10.0)
+    start = time.monotonic() - 1_000.0
+    for i in range(1_000):
+        table.set(f"old-{i}", "a", now=start + i / 1_000)
+    for i in range(300):
+        table.set(f"new-{i}", "b", now=start + 100.0 + i / 100)
+    assert len(table) == 300
+    assert table.get("new-0", now=start + 105.0) == "b"
+    kept = SessionAffinity(ttl=10.0)
+    table.set("fresh", "b")
+    kept.adopt(table, {"a": "a", "b": "b"})
+    assert [*kept._sessions] == ["fresh"]
 
 
 def test_exclusions_and_errors():
