@@ -132,12 +132,15 @@ class AdmissionQueue:
         self._count += 1
 
     def remove(self, waiter: Waiter) -> bool:
-        """Take a waiter out (it stays in its heap until reached). False if already out."""
+        """Take a waiter out (it stays in its heap until reached, or until removed waiters
+        outnumber live ones there). False if already out."""
         if not waiter.live:
             return False
         waiter.live = False
         queue = self._keys[waiter.key][waiter.rank]
-        queue.tenants[waiter.tenant.name].live -= 1
+        tenant_queue = queue.tenants[waiter.tenant.name]
+        tenant_queue.live -= 1
+        _compact(tenant_queue)
         queue.live -= 1
         self._by_class[waiter.rank] -= 1
         self._count -= 1
@@ -192,6 +195,16 @@ class AdmissionQueue:
                     continue
                 for tenant_queue in queue.tenants.values():
                     yield from (w for _, w in tenant_queue.heap if w.live)
+
+
+def _compact(tenant_queue: _TenantQueue) -> None:
+    """Drop removed waiters from the heap once they are more than half of it: a waiter that
+    timed out or disconnected holds its request's body, and those must not pile up behind a
+    long-waiting head. Amortised constant time per removal."""
+    heap = tenant_queue.heap
+    if len(heap) > 2 * tenant_queue.live + 8:
+        heap[:] = [entry for entry in heap if entry[1].live]
+        heapq.heapify(heap)
 
 
 def _head(tenant_queue: _TenantQueue) -> Waiter | None:

@@ -424,3 +424,19 @@ def test_the_queue_length_has_a_sample_per_class_from_the_start(gateway):
         assert (
             sample_value(metrics, "kvgate_admission_queue_length", **{"class": latency_class}) == 0
         )
+
+
+async def test_waiters_that_left_do_not_pile_up_behind_one_that_stays():
+    """Requests that time out or disconnect while one long waiter heads the queue leave it:
+    their contexts (and request bodies) are not kept until the head is served."""
+    loop = asyncio.get_running_loop()
+    queue = AdmissionQueue()
+    head = _waiter(loop, "silver", "t", deadline=1.0)
+    queue.push(head)
+    for i in range(1_000):
+        gone = _waiter(loop, "silver", "t", deadline=10.0 + i)
+        queue.push(gone)
+        queue.remove(gone)
+    heap = queue._keys[("m1", None, None)][2].tenants["t"].heap
+    assert len(queue) == 1 and len(heap) < 20
+    assert queue.pop_next(("m1", None, None), range(3), lambda t: True) is head
