@@ -183,7 +183,9 @@ class ReloadableGateway:
 
     async def _shut_down(self, app: GatewayApp) -> None:
         await app.shutdown()
-        # The old app's shutdown unfroze the heap: freeze what the serving app holds again.
+        # Let the collector free the old app (this frame is its last holder), then freeze what
+        # the serving app holds again (the old app's shutdown unfroze the heap).
+        del app
         gc.collect()
         gc.freeze()
 

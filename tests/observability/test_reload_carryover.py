@@ -4,6 +4,8 @@ and quotas of the endpoints and tenants that remain; what it drops: those that a
 from __future__ import annotations
 
 import threading
+import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -66,6 +68,23 @@ def test_the_prefix_index_survives_a_reload_that_renames_every_endpoint(tmp_path
             assert by_url[url]["prefix_index"]["blocks"] > 0
         # Each prompt still goes to the engine that holds it, not to the empty newcomer.
         assert [holder_url(server.url, prompt) for prompt in PROMPTS] == holders
+
+
+def test_the_replaced_app_is_freed_once_it_has_shut_down(tmp_path, fleet):
+    """A reload frees what the old config built (its prefix index can hold millions of
+    entries): nothing keeps the replaced app alive, not even until the next reload."""
+    path = write(tmp_path / "gw.yaml", config_dict(fleet.urls[:2], policy="kvgate"))
+    gateway = ReloadableGateway(path)
+    with ServerThread(gateway) as server:
+        for prompt in PROMPTS:
+            assert chat(server.url, prompt).status_code == 200
+        replaced = weakref.ref(gateway.current)
+        reload(server.url)
+        deadline = time.monotonic() + 10
+        while replaced() is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert replaced() is None
+        assert chat(server.url, PROMPTS[0]).status_code == 200
 
 
 def test_an_open_breaker_stays_open_and_a_drained_endpoint_drained_across_a_reload(tmp_path, fleet):
