@@ -59,6 +59,11 @@ class KvgateError(Exception):
         """The `code` the client sees: always a string or null."""
         return self.code if isinstance(self.code, str) else None
 
+    @property
+    def outcome(self) -> str:
+        """The request's outcome in metrics labels, the access log and spans: kvgate's code."""
+        return str(self.code)
+
     def to_dict(self) -> dict[str, object]:
         return {
             "error": {
@@ -221,6 +226,12 @@ class UpstreamError(UpstreamFailed):
         # The engine's own string code, or null: never kvgate's internal default.
         return None if self.code == self.default_code else super().wire_code()
 
+    @property
+    def outcome(self) -> str:
+        # The client sees any code the engine sent; a metric label takes only the codes
+        # kvgate knows, so an engine's free-form codes cannot grow the series without bound.
+        return str(self.code) if self.code in _KNOWN_ENGINE_CODES else self.default_code
+
 
 class UpstreamUnavailable(UpstreamFailed):
     default_code = "upstream_unavailable"
@@ -319,6 +330,18 @@ def _validation_detail(detail: list[Any]) -> tuple[str, str | None] | None:
 
 
 UPSTREAM_AUTH_FAILED = "upstream_auth_failed"
+
+# Engine error codes kept as a request's outcome: OpenAI's vocabulary that engines use or
+# kvgate translates to (any other code counts as `upstream_error`).
+_KNOWN_ENGINE_CODES = frozenset(
+    {
+        "context_length_exceeded",
+        "model_not_found",
+        "invalid_value",
+        "rate_limit_exceeded",
+        UPSTREAM_AUTH_FAILED,
+    }
+)
 
 
 def upstream_error_from_body(

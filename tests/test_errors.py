@@ -165,6 +165,28 @@ def test_engine_context_length_error_through_the_gateway_with_the_sdk(upstream, 
     assert info.value.code == "context_length_exceeded" and info.value.param == "prompt"
 
 
+def test_an_engines_own_codes_reach_the_client_but_not_the_metric_labels(upstream, gateway):
+    """The client sees whatever code the engine sent; `kvgate_requests_total` and
+    `kvgate_endpoint_requests_total` label it `upstream_error` unless kvgate knows the code,
+    so an engine's free-form codes cannot add series without bound."""
+    engine, _ = upstream
+    engine.script.status = 422
+    _, server = gateway
+    client = sdk_client(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    for i in range(20):
+        engine.script.error_body = orjson.dumps({"error": {"message": "no", "code": f"c{i}"}})
+        with pytest.raises(openai.UnprocessableEntityError) as info:
+            client.chat.completions.create(model="m1", messages=[{"role": "user", "content": "x"}])
+        assert info.value.code == f"c{i}"
+    engine.script.status = 400
+    engine.script.error_body = orjson.dumps(VLLM_TOO_LONG)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="m1", messages=[{"role": "user", "content": "x"}])
+    text = httpx.get(server.url + "/metrics", timeout=5).text
+    outcomes = set(re.findall(r'kvgate_(?:endpoint_)?requests_total\{[^}]*outcome="([^"]+)"', text))
+    assert outcomes == {"upstream_error", "context_length_exceeded"}
+
+
 def test_a_broken_engine_connection_is_described_without_library_names(upstream, gateway):
     engine, _ = upstream
     engine.script.close_after_chunks = 1

@@ -107,7 +107,7 @@ class RequestChain:
                 ctx.outcome = "ok"
         except ClientStalled as stalled:
             # Nothing more can reach a client that stopped reading: its connection goes now.
-            ctx.outcome = str(stalled.code)
+            ctx.outcome = stalled.outcome
             ctx.responded = True
             abort = scope.get(ABORT)
             if abort is not None:
@@ -155,7 +155,7 @@ def _span_name(stage: Stage) -> str:
 
 
 async def _answer_error(ctx: RequestContext, send: Send, error: KvgateError) -> None:
-    ctx.outcome = str(error.code)
+    ctx.outcome = error.outcome
     if ctx.responded:
         return
     ctx.responded = True

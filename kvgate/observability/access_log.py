@@ -69,7 +69,7 @@ class AccessLog:
             "request_id": request_id,
             "route": route,
             "status": error.status,
-            "outcome": error.code,
+            "outcome": error.outcome,
         }
         if key_id is not None:
             record["key_id"] = key_id

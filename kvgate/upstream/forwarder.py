@@ -237,7 +237,7 @@ class Forwarder:
             return
         if ctx.resumes:
             observer.resumed(pool, "failed", transcript.overhead_tokens if transcript else 0)
-        ctx.outcome = str(error.code)
+        ctx.outcome = error.outcome
         ctx.responded = True
         last = error.to_stream_event(ctx.route, ctx.relayed_events)
         await send({"type": "http.response.body", "body": last, "more_body": False})

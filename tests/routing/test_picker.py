@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from kvgate.errors import NotFound, Overloaded
-from kvgate.routing.policy import build_policy
 from kvgate.routing.affinity import SessionAffinity
+from kvgate.routing.policy import build_policy
 from kvgate.routing.policy_catalog import builtin_policy
 from kvgate.routing.router import ModelFallbackStage, PickStage, PolicyPicker, PoolRouter
 from kvgate.routing.services import RoutingServices
