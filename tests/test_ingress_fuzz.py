@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import random
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -341,21 +342,32 @@ def test_ten_thousand_fuzzed_bodies(upstream, start_gateway):
     _, server = start_gateway(
         gateway_config([engine_server.url], pool={"models": ["m1"]}, auth="none")
     )
+    bodies = fuzzed(16, 10_000)
+
+    def post(client: httpx.Client, i: int) -> httpx.Response:
+        route, raw = bodies[i]
+        return client.post(
+            ROUTES[route],
+            content=raw,
+            headers={"content-type": "application/json", "x-request-id": f"fuzz-{i}"},
+        )
+
+    # Four clients at once (the engine's log tells requests apart by their request id).
+    with httpx.Client(base_url=server.url, timeout=30) as client, ThreadPoolExecutor(4) as pool:
+        responses = list(pool.map(lambda i: post(client, i), range(len(bodies))))
+    reached: dict[str, list[Any]] = {}
+    for request in engine.inference_requests:
+        reached.setdefault(request.headers["x-request-id"], []).append(request)
     counts = {"served": 0, "refused": 0}
-    with httpx.Client(base_url=server.url, timeout=30) as client:
-        for route, raw in fuzzed(16, 10_000):
-            before = len(engine.inference_requests)
-            response = client.post(
-                ROUTES[route], content=raw, headers={"content-type": "application/json"}
-            )
-            reached = engine.inference_requests[before:]
-            if _served(response):
-                counts["served"] += 1
-                assert len(reached) == 1, raw[:300]
-                assert reference_schema_ok(route, reached[0].body), raw[:300]
-                assert reached[0].body == _as_forwarded(route, orjson.loads(raw))
-            else:
-                counts["refused"] += 1
-                assert _clean_error(response), (response.status_code, response.text[:300])
-                assert reached == [], raw[:300]
+    for i, ((route, raw), response) in enumerate(zip(bodies, responses, strict=True)):
+        arrived = reached.get(f"fuzz-{i}", [])
+        if _served(response):
+            counts["served"] += 1
+            assert len(arrived) == 1, raw[:300]
+            assert reference_schema_ok(route, arrived[0].body), raw[:300]
+            assert arrived[0].body == _as_forwarded(route, orjson.loads(raw))
+        else:
+            counts["refused"] += 1
+            assert _clean_error(response), (response.status_code, response.text[:300])
+            assert arrived == [], raw[:300]
     assert counts["served"] > 1000 and counts["refused"] > 1000, counts
