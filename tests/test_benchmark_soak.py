@@ -17,8 +17,8 @@ def _row(output: str, name: str) -> list[str]:
 
 
 def test_a_short_soak_runs_every_phase_and_loses_nothing():
-    args = ["--duration", "10", "--capacity-steps", "4", "--step-seconds", "3"]
-    args += ["--sample-every", "1", "--settle", "5", "--no-plot"]
+    args = ["--duration", "6", "--capacity-steps", "4", "--step-seconds", "3"]
+    args += ["--sample-every", "1", "--settle", "3", "--no-plot"]
     result = subprocess.run(
         [sys.executable, str(SOAK), *args], capture_output=True, text=True, timeout=50
     )
