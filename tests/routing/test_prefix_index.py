@@ -12,7 +12,7 @@ from collections import OrderedDict
 import pytest
 
 from kvgate.prompt_view import prompt_text
-from kvgate.routing.prefix_hasher import PrefixHasher
+from kvgate.routing.prefix_hasher import PrefixHasher, shared_blocks
 from kvgate.routing.prefix_index import BYTES_PER_ROOT, PrefixIndex
 from kvgate.routing.prefix_tree import BYTES_PER_LEAF, BYTES_PER_LEAF_BLOCK, EndpointBlocks
 
@@ -529,3 +529,26 @@ def test_remembered_prompts_are_bounded_by_their_bytes():
     longer = huge + "y" * 80  # its next turn reuses it and replaces it
     assert hasher.hashes(longer, "m") == scratch.hashes(longer, "m")
     assert len(hasher._recent) == 1 and hasher._recent_held == 4080
+
+
+def test_shared_blocks_counts_the_leading_blocks_two_prompts_have_in_common():
+    """Against a block-by-block comparison, on prompts that extend, repeat or differ anywhere
+    (the binary search compares only the bytes between what is known equal and the middle)."""
+
+    def one_by_one(a: bytes, b: bytes, size: int) -> int:
+        n = 0
+        while (n + 1) * size <= min(len(a), len(b)) and a[n * size : (n + 1) * size] == b[
+            n * size : (n + 1) * size
+        ]:
+            n += 1
+        return n
+
+    rng = random.Random(7)
+    for _ in range(5_000):
+        size = rng.choice([1, 3, 64])
+        base = bytes(rng.randrange(3) for _ in range(rng.randrange(400)))
+        a = bytearray(base[: rng.randrange(len(base) + 1)])
+        b = base[: rng.randrange(len(base) + 1)]
+        if a and rng.random() < 0.5:
+            a[rng.randrange(len(a))] ^= 1
+        assert shared_blocks(bytes(a), b, size) == one_by_one(bytes(a), b, size)
