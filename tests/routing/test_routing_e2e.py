@@ -196,7 +196,9 @@ def test_a_full_kv_cache_alone_holds_nothing_in_the_gateway(start_gateway, max_k
     engine = MetricsUpstream()
     engine.kv_usage = 0.99
     with ServerThread(engine) as up:
-        routing: dict[str, Any] = {"scrape_interval": 0.1}
+        # Readings stay fresh for 10 s: a scrape that a loaded machine delays must not make the
+        # endpoint's state unknown (the stale policy would then admit the request).
+        routing: dict[str, Any] = {"scrape_interval": 0.1, "stale_after_intervals": 100}
         if max_kv_usage is not None:
             routing["saturation"] = {"max_kv_usage": max_kv_usage}
         app, server = start_gateway(gateway_config([up.url], routing=routing))
