@@ -163,7 +163,7 @@ def _check_carrier(payload: dict[str, Any], key: str) -> None:
         )
 
 
-def _check_common(payload: dict[str, Any]) -> bool:
+def _check_common(payload: dict[str, Any], route: str) -> bool:
     stream = payload.get("stream", False)
     if stream is None:
         stream = False
@@ -186,21 +186,24 @@ def _check_common(payload: dict[str, Any]) -> bool:
                     param=f"stream_options.{flag}",
                     code="invalid_type",
                 )
-    for key in ("max_tokens", "max_completion_tokens", "n"):
-        _check_count(payload, key)
+    # A completion may echo its prompt and generate nothing (OpenAI's API and vLLM's).
+    echo_only = route == "completions" and payload.get("echo") is True
+    _check_count(payload, "max_tokens", 0 if echo_only else 1)
+    _check_count(payload, "max_completion_tokens")
+    _check_count(payload, "n")
     return stream
 
 
-def _check_count(payload: dict[str, Any], key: str) -> None:
-    """An optional count: an integer (`invalid_type` otherwise) of at least 1
+def _check_count(payload: dict[str, Any], key: str, least: int = 1) -> None:
+    """An optional count: an integer (`invalid_type` otherwise) of at least `least`
     (`invalid_value`)."""
     value = payload.get(key)
     if value is None:
         return
     if not _is_int(value):
         raise InvalidRequest(f"'{key}' must be an integer", param=key, code="invalid_type")
-    if value < 1:
-        raise InvalidRequest(f"'{key}' must be at least 1", param=key, code="invalid_value")
+    if value < least:
+        raise InvalidRequest(f"'{key}' must be at least {least}", param=key, code="invalid_value")
 
 
 def _check_depth(body: bytes, payload: dict[str, Any]) -> None:
@@ -291,7 +294,7 @@ def parse_payload(route: str, body: bytes) -> tuple[dict[str, Any], str, bool]:
             _check_messages(payload)  # vLLM's chat embeddings: `messages` in place of `input`
         else:
             _check_carrier(payload, "input")
-    stream = _check_common(payload) if route in GENERATION_ROUTES else False
+    stream = _check_common(payload, route) if route in GENERATION_ROUTES else False
     return payload, model, stream
 
 
@@ -314,14 +317,19 @@ def request_context(
     if options is None:
         options = parse_request_options(headers)
     request_id = options.request_id
+    body_names_request = False
     if not options.request_id_given:
         # vLLM names a request by the X-Request-Id header, else by the body's `request_id`:
-        # the gateway's header must carry the body's, or the engine would drop it.
+        # the gateway's header must carry the body's, or the engine would drop it; one no
+        # header can carry goes alone (no header), as it would reach the engine directly.
         given = payload.get("request_id")
         if sane_request_id(given):
             request_id = given
+        elif isinstance(given, str) and given:
+            body_names_request = True
     return RequestContext(
         request_id=request_id,
+        body_names_request=body_names_request,
         route=route,
         upstream_path=upstream_path or _PATHS[route],
         client_headers=headers,

@@ -50,6 +50,9 @@ class RequestContext:
     started: float = field(default_factory=time.perf_counter)
     # The HTTP method sent upstream (POST but on the `/v1/responses/{id}` routes).
     method: bytes = b"POST"
+    # The body's `request_id` names the request for the engine and no header may carry it (not
+    # a sane header value): no X-Request-Id goes upstream, or vLLM would take that instead.
+    body_names_request: bool = False
     # The response a `/v1/responses/{id}` route names, as the client sent its id (None on the
     # inference routes).
     response_id: str | None = None

@@ -275,9 +275,11 @@ def reference_schema_ok(route: str, body: Any) -> bool:
         for flag in ("include_usage", "continuous_usage_stats")
     ):
         return False
+    echo_only = route == "completions" and body.get("echo") is True  # may generate nothing
     for key in ("max_tokens", "max_completion_tokens", "n"):
         value = body.get(key)
-        if value is not None and not (_is_int(value) and value >= 1):
+        least = 0 if echo_only and key == "max_tokens" else 1
+        if value is not None and not (_is_int(value) and value >= least):
             return False
     return True
 

@@ -158,6 +158,8 @@ def test_invalid_bodies_are_400_naming_the_field(upstream, gateway, path, body, 
                 ],
             },
         ),
+        # A completion that echoes its prompt and generates nothing (OpenAI's and vLLM's).
+        ("/v1/completions", {"model": "m1", "prompt": "x", "echo": True, "max_tokens": 0}),
         # Empty `stream_options` without streaming: vLLM refuses only options that say
         # something.
         (
@@ -199,6 +201,7 @@ def test_vllm_extension_bodies_reach_the_engine_untouched(upstream, gateway, pat
         (CHAT_URL, "max_completion_tokens", 2.5, "invalid_type"),
         (CHAT_URL, "n", -1, "invalid_value"),
         ("/v1/completions", "n", "2", "invalid_type"),
+        ("/v1/completions", "max_tokens", 0, "invalid_value"),  # 0 only with echo
         ("/v1/responses", "max_output_tokens", "5", "invalid_type"),
         ("/v1/responses", "max_output_tokens", 0, "invalid_value"),
     ],

@@ -80,7 +80,8 @@ def test_client_request_id_is_kept_and_returned(upstream, gateway):
 
 def test_a_body_request_id_names_the_request_when_no_header_does(upstream, gateway):
     """vLLM takes the X-Request-Id header over the body's `request_id` (its extension): the
-    header the gateway sends carries the body's, so the engine keeps the client's id."""
+    header the gateway sends carries the body's, so the engine keeps the client's id; a body
+    id no header may carry is sent without one."""
     engine, _ = upstream
     _, server = gateway
     url = server.url + "/v1/chat/completions"
@@ -94,9 +95,13 @@ def test_a_body_request_id_names_the_request_when_no_header_does(upstream, gatew
         == "h-8"
         == both.headers["x-request-id"]
     )
-    unfit = httpx.post(url, json={**CHAT, "request_id": "has spaces\n"})
-    assert unfit.headers["x-request-id"] != "has spaces\n"
-    assert engine.inference_requests[-1].body["request_id"] == "has spaces\n"
+    # One no header can carry goes alone, as it would reach the engine directly: with a
+    # header of the gateway's beside it, vLLM would name the request by the header.
+    for unfit_id in ("has spaces\n", "x" * 200):
+        unfit = httpx.post(url, json={**CHAT, "request_id": unfit_id})
+        assert unfit.headers["x-request-id"] != unfit_id
+        assert engine.inference_requests[-1].body["request_id"] == unfit_id
+        assert "x-request-id" not in engine.inference_requests[-1].headers
 
 
 def test_every_answer_carries_a_request_id_and_engine_errors_name_the_engine(upstream, gateway):

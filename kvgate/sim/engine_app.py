@@ -284,6 +284,15 @@ class EngineApp:
             return
         await _respond(send, 200, orjson.dumps(answer))
 
+    def _header_request_id(self, scope: Scope) -> str | None:
+        """The X-Request-Id that names a request on vLLM (ahead of the body's `request_id`)."""
+        if self._options.flavor != "vllm":
+            return None
+        for key, value in scope["headers"]:
+            if key == b"x-request-id":
+                return value.decode("latin-1")
+        return None
+
     def _record_arrival(self, scope: Scope, raw_body: bytes) -> Any:
         """Count the request and keep its headers and body for /sim/stats; return the body."""
         try:
@@ -320,7 +329,9 @@ class EngineApp:
             if kind == RESPONSE:
                 generation = parse_response_request(body, self._options, arrival, self.responses)
             else:
-                generation = parse_generation(kind, body, self._options, arrival)
+                generation = parse_generation(
+                    kind, body, self._options, arrival, self._header_request_id(scope)
+                )
         except ApiError as error:
             await self._error(send, error)
             return

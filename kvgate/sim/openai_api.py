@@ -85,7 +85,13 @@ def resolve_model(body: dict[str, Any], options: EngineOptions) -> str:
     return model
 
 
-def parse_generation(kind: str, body: Any, options: EngineOptions, arrival: float) -> Generation:
+def parse_generation(
+    kind: str,
+    body: Any,
+    options: EngineOptions,
+    arrival: float,
+    header_request_id: str | None = None,
+) -> Generation:
     """Validate a chat or completion body; raise ApiError with the engine's message if bad."""
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
@@ -117,7 +123,8 @@ def parse_generation(kind: str, body: Any, options: EngineOptions, arrival: floa
     )
     stream_options = body.get("stream_options")
     include_usage = isinstance(stream_options, dict) and bool(stream_options.get("include_usage"))
-    request_id = body.get("request_id") or uuid.uuid4().hex
+    # vLLM names a request by the X-Request-Id header, else by the body's `request_id`.
+    request_id = header_request_id or body.get("request_id") or uuid.uuid4().hex
     prefix = "chatcmpl-" if kind == CHAT else "cmpl-"
     return Generation(
         kind=kind,

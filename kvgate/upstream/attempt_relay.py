@@ -112,7 +112,7 @@ class AttemptRelay:
             endpoint.url + ctx.upstream_path,
             upstream_headers(
                 ctx.client_headers,
-                ctx.request_id,
+                None if ctx.body_names_request else ctx.request_id,
                 endpoint.auth_header,
                 None if span is None else span.headers(),
             ),

@@ -35,14 +35,15 @@ _TRACE_CONTEXT = frozenset({b"traceparent", b"tracestate"})
 
 def upstream_headers(
     client_headers: Headers,
-    request_id: str,
+    request_id: str | None,
     auth_header: bytes | None,
     trace_context: Headers | None = None,
 ) -> Headers:
-    """Client headers minus hop-by-hop ones (and any named in Connection), plus the request id,
-    `content-type: application/json` and the endpoint's credentials. `traceparent` and other
-    end-to-end headers pass through, except that a given `trace_context` (the attempt span's,
-    when tracing is on) replaces the client's `traceparent` and `tracestate`."""
+    """Client headers minus hop-by-hop ones (and any named in Connection), plus the request id
+    (unless None), `content-type: application/json` and the endpoint's credentials.
+    `traceparent` and other end-to-end headers pass through, except that a given
+    `trace_context` (the attempt span's, when tracing is on) replaces the client's
+    `traceparent` and `tracestate`."""
     named_in_connection: set[bytes] = set()
     for name, value in client_headers:
         if name == b"connection":
@@ -58,7 +59,8 @@ def upstream_headers(
     ]
     if trace_context is not None:
         out += trace_context
-    out.append((REQUEST_ID, request_id.encode()))
+    if request_id is not None:
+        out.append((REQUEST_ID, request_id.encode()))
     out.append((b"accept-encoding", b"identity"))
     out.append((b"content-type", b"application/json"))
     if auth_header is not None:

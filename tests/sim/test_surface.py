@@ -245,3 +245,18 @@ async def test_role_chunk_leaves_with_the_first_token_as_on_vllm():
             first = await anext(response.aiter_raw())
     assert b'"role":"assistant"' in first
     assert first.count(b"data: ") >= 2  # the role chunk and the first token, together
+
+
+@pytest.mark.parametrize("flavor", ["vllm", "sglang"])
+def test_a_request_is_named_as_the_engine_names_it(flavor):
+    """vLLM names a request by its X-Request-Id header, else by the body's `request_id`;
+    SGLang reads no header."""
+    options = EngineOptions(speed=50, flavor=flavor)
+    with SimFleet.in_thread(engines=1, options=options) as fleet:
+        url = fleet.urls[0] + "/v1/chat/completions"
+        body = chat_body("hello", max_tokens=2, request_id="from-body")
+        headed = httpx.post(url, json=body, headers={"x-request-id": "from-header"}, timeout=10)
+        plain = httpx.post(url, json=body, timeout=10)
+    named = "from-header" if flavor == "vllm" else "from-body"
+    assert headed.json()["id"] == f"chatcmpl-{named}"
+    assert plain.json()["id"] == "chatcmpl-from-body"
