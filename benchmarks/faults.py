@@ -42,7 +42,7 @@ from typing import Any
 
 import httpx
 import orjson
-from services import BENCH_DIR, free_port, gateway, machine
+from services import BENCH_DIR, free_port, gateway, machine, this_command
 
 sys.path.insert(0, str(BENCH_DIR.parent))
 from kvgate.sim import EngineOptions, SimFleet
@@ -516,10 +516,10 @@ def main() -> int:
     parser.add_argument("--output", type=Path, help="append the results section to FILE")
     args = parser.parse_args()
     matrix, bursts = asyncio.run(main_async(args))
-    command = "python benchmarks/faults.py " + " ".join(sys.argv[1:])
+    command = this_command()
     section = (
         f"\n## Fault matrix ({datetime.date.today().isoformat()})\n\n"
-        f"Machine: {machine()}. Command: `{command.strip()}`.\n"
+        f"Machine: {machine()}. Command: {command}.\n"
     )
     if matrix:
         section += (

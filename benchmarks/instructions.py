@@ -165,7 +165,8 @@ def report(counts: dict[str, list[float]], args: argparse.Namespace) -> str:
         lines.append("")
         lines.append(
             f"kvgate's chain on top of the stack: {chain / 1000:,.1f} thousand instructions "
-            f"per request ({medians[KVGATE] / medians[PASSTHROUGH]:.2f}x the pass-through)."
+            f"per request (kvgate in all {medians[KVGATE] / medians[PASSTHROUGH]:.2f}x the "
+            "pass-through)."
         )
     if KVGATE_BASELINE in medians:
         saved = medians[KVGATE_BASELINE] - medians[KVGATE]

@@ -661,7 +661,9 @@ def report(settings: Settings, results: Results) -> str:
     return "\n\n".join(parts) + "\n"
 
 
-def missing_peers(litellm: Path | None) -> dict[str, str]:
+def missing_peers(litellm: Path | None, left_out: bool) -> dict[str, str]:
+    if left_out:
+        return {LITELLM: "left out (--no-litellm)"}
     if litellm is None:
         return {LITELLM: "`litellm[proxy]` not installed (`make .venv-litellm`, or --litellm)"}
     return {}
@@ -1059,6 +1061,9 @@ def parse_args() -> argparse.Namespace:
         help="the `litellm` executable of LiteLLM's proxy (default: .venv-litellm/bin/litellm, "
         "else one on PATH; without one its column is left out)",
     )
+    parser.add_argument(
+        "--no-litellm", action="store_true", help="leave LiteLLM's proxy out even when installed"
+    )
     parser.add_argument("--output", type=Path, help="also write the Markdown here")
     args = parser.parse_args()
     if args.quick:
@@ -1112,7 +1117,7 @@ def main() -> int:
                 bench.settle(min(args.rates))
                 rows = {m: [bench.measure(rate, m) for rate in args.rates] for m in MODES}
             return _finish(baseline_report(settings, args.baseline, rows), args, started)
-        litellm = litellm_proxy.executable(args.litellm)
+        litellm = None if args.no_litellm else litellm_proxy.executable(args.litellm)
         with (
             services.fast_upstream(up_port, args.chunks, args.gap_ms, args.answer_logprobs),
             gateways(tmp, "bench", upstream_url) as running,
@@ -1128,7 +1133,15 @@ def main() -> int:
         held = measure_memory(tmp, args.streams, litellm)
         apart = "" if litellm is None else litellm_pass(tmp, args, settings, litellm)
     results = Results(
-        searches, h2load, rows, prompt, held, ceiling, missing_peers(litellm), litellm, apart
+        searches,
+        h2load,
+        rows,
+        prompt,
+        held,
+        ceiling,
+        missing_peers(litellm, args.no_litellm),
+        litellm,
+        apart,
     )
     return _finish(report(settings, results), args, started)
 

@@ -11,6 +11,7 @@ engine's BlockStored for the prompt (and BlockRemoved for its oldest kept reques
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import gc
@@ -255,6 +256,10 @@ def summary(out: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(
+        description="Precise-mode decision cost (in-process, about 20 s); also run by "
+        "`routing.py --micro`."
+    ).parse_args()
     result = micro()
     print(json.dumps(result, indent=1))
     print(summary(result))

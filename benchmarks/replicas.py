@@ -49,7 +49,7 @@ import uvloop
 from cache_ideals import cache_ideals
 from chat_stream import Streamed, client_session, stream_chat
 from routing import gateway_yaml, sim_fleet
-from services import PYTHON, append_results, free_port, machine, stop, wait_ready
+from services import PYTHON, append_results, free_port, machine, stop, this_command, wait_ready
 from workloads import TRACE_OF, WORKLOADS, Planned, add_arguments
 
 READY_SECONDS = 15.0
@@ -490,12 +490,12 @@ def main() -> int:
                     flush=True,
                 )
     verdict, degraded = verdicts(rows)
-    command = "python benchmarks/replicas.py " + " ".join(sys.argv[1:])
+    command = this_command()
     section = "\n".join(
         [
             f"## Replicas (issue 7) ({datetime.date.today()})",
             "",
-            f"Machine: {machine()}. Command: `{command}` ({time.monotonic() - started:.0f} s).",
+            f"Machine: {machine()}. Command: {command} ({time.monotonic() - started:.0f} s).",
             "",
             f"{args.engines} simulated engines (realistic profile, speed {args.speed:g}, "
             f"{args.kv_blocks} KV blocks each, max_num_seqs {args.max_num_seqs}), fresh per row; "

@@ -85,6 +85,7 @@ from services import (
     machine,
     metric_samples,
     stop,
+    this_command,
     wait_ready,
 )
 from workloads import MODEL, TRACE_OF, WORKLOADS, Planned, add_arguments
@@ -699,11 +700,16 @@ def main() -> int:
                 continue
             mine, searches[workload] = run_workload(args, workload)
             rows += mine
-    command = "python benchmarks/routing.py " + " ".join(sys.argv[1:])
+    command = this_command()
     section = [
-        f"## {datetime.date.today()}: routing quality beside sglang-router and the cache ideals",
+        f"## {datetime.date.today()}: "
+        + (
+            "routing decision cost"
+            if args.micro
+            else "routing quality beside sglang-router and the cache ideals"
+        ),
         "",
-        f"Machine: {machine()}; sglang-router {peer_router.version()}. Command: `{command}`",
+        f"Machine: {machine()}; sglang-router {peer_router.version()}. Command: {command}",
         "",
     ]
     if micro_out:

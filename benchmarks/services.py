@@ -6,6 +6,7 @@ import contextlib
 import datetime
 import os
 import platform
+import shlex
 import socket
 import subprocess
 import sys
@@ -163,6 +164,27 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+def this_command() -> str:
+    """The command line of this run as one can paste it again (quoted), and the code it ran:
+    the commit, marked when the tree had changes."""
+    script = Path(sys.argv[0]).resolve().relative_to(BENCH_DIR.parent)
+    command = shlex.join([".venv/bin/python", str(script), *sys.argv[1:]])
+    git = ["git", "-C", str(BENCH_DIR.parent)]
+    try:
+        commit = subprocess.run(
+            [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            [*git, "status", "--porcelain", "--", "kvgate", "benchmarks"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return f"`{command}`"
+    return f"`{command}` (code {commit}{' with uncommitted changes' if dirty else ''})"
 
 
 def machine() -> str:

@@ -76,6 +76,7 @@ from services import (
     rss_bytes,
     service,
     stop,
+    this_command,
     wait_ready,
 )
 from soak_load import MODEL, START_MARGIN, Generated, Outcome, generate, lag_summary, percentile
@@ -668,10 +669,10 @@ def main() -> int:
     started = datetime.datetime.now(datetime.UTC)
     body, lost = asyncio.run(main_async(args))
     host = f"{machine()}, load average at the end {os.getloadavg()[0]:.1f}"
-    command = "python benchmarks/soak.py " + " ".join(sys.argv[1:])
+    command = this_command()
     section = (
         f"\n## Soak ({started:%Y-%m-%d %H:%M} UTC)\n\n"
-        f"Machine: {host}. Command: `{command.strip()}`.\n\n{body}"
+        f"Machine: {host}. Command: {command}.\n\n{body}"
     )
     print(section)
     if args.output:
