@@ -91,8 +91,16 @@ def _check_content(message: dict[str, Any], path: str) -> None:
         return
     if isinstance(content, str):
         return
-    if not isinstance(content, list) or not content:
+    if not isinstance(content, list):
         raise _invalid(path, "content must be a string or a non-empty array of content parts")
+    if not content:
+        if _may_omit_content(message):
+            return  # no parts: as no content, which this message may have
+        raise _invalid(
+            path,
+            "content must be a string or a non-empty array of content parts",
+            code="invalid_value",
+        )
     for i, part in enumerate(content):
         _check_part(part, f"{path}[{i}]")
 

@@ -195,14 +195,15 @@ def _message_ok(message: Any) -> bool:
     if not message["role"]:
         return False
     role, content = message["role"], message.get("content")
-    if content is None:
-        # Of OpenAI's roles only these go without content; a chat template's own role
-        # (vLLM passes custom roles on) may.
-        calls = message.get("tool_calls") is not None or message.get("function_call") is not None
-        if role in OPENAI_ROLES and not (role == "function" or (role == "assistant" and calls)):
+    # Of OpenAI's roles only these go without content (or with no parts); a chat template's
+    # own role (vLLM passes custom roles on) may.
+    calls = message.get("tool_calls") is not None or message.get("function_call") is not None
+    may_omit = role not in OPENAI_ROLES or role == "function" or (role == "assistant" and calls)
+    if content is None or content == []:
+        if not may_omit:
             return False
     elif not isinstance(content, str) and (
-        not isinstance(content, list) or not content or not all(map(_part_ok, content))
+        not isinstance(content, list) or not all(map(_part_ok, content))
     ):
         return False
     if "name" in message and message["name"] is not None and not isinstance(message["name"], str):

@@ -158,6 +158,28 @@ def test_invalid_bodies_are_400_naming_the_field(upstream, gateway, path, body, 
                 ],
             },
         ),
+        # An assistant's tool call with no content parts: as no content, which it may have.
+        (
+            CHAT_URL,
+            {
+                "model": "m1",
+                "messages": [
+                    {"role": "user", "content": "weather?"},
+                    {
+                        "role": "assistant",
+                        "content": [],
+                        "tool_calls": [
+                            {
+                                "id": "c1",
+                                "type": "function",
+                                "function": {"name": "weather", "arguments": "{}"},
+                            }
+                        ],
+                    },
+                    {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+                ],
+            },
+        ),
         # A completion that echoes its prompt and generates nothing (OpenAI's and vLLM's).
         ("/v1/completions", {"model": "m1", "prompt": "x", "echo": True, "max_tokens": 0}),
         # Empty `stream_options` without streaming: vLLM refuses only options that say
@@ -190,6 +212,17 @@ def test_vllm_extension_bodies_reach_the_engine_untouched(upstream, gateway, pat
     response = httpx.post(server.url + path, json=body)
     assert response.status_code == 200, response.text
     assert engine.inference_requests[-1].body == body
+
+
+def test_a_user_message_with_no_content_parts_is_a_value_error(upstream, gateway):
+    """The type is right (an array); it is empty, which only a message that may go without
+    content (an assistant's tool call) may be."""
+    engine, _ = upstream
+    _, server = gateway
+    body = {"model": "m1", "messages": [{"role": "user", "content": []}]}
+    response = httpx.post(server.url + CHAT_URL, json=body)
+    assert _assert_openai_error(response, 400, "messages[0].content")["code"] == "invalid_value"
+    assert engine.inference_requests == []
 
 
 @pytest.mark.parametrize(
