@@ -227,6 +227,18 @@ def test_a_method_the_gateway_does_not_forward_is_405(store_fleet, gateway, meth
     assert received(store_fleet) == before
 
 
+def test_a_continuation_for_a_model_its_engine_does_not_serve_is_400(store_fleet, gateway):
+    """The conversation continues only on the engine that stores it: a model that engine does
+    not serve is refused by name, not sent there to come back "does not exist"."""
+    app, server = gateway
+    first = create(server)
+    assert first.status_code == 200, first.text
+    before = received(store_fleet)
+    answer = create(server, model="other-model", previous_response_id=first.json()["id"])
+    assert_refused_cleanly(answer, 400, "invalid_value", "model", store_fleet, before, app, server)
+    assert "sim-model" in answer.json()["error"]["message"]
+
+
 def test_a_previous_response_id_that_is_not_a_string_is_400(store_fleet, gateway):
     app, server = gateway
     before = received(store_fleet)

@@ -10,7 +10,8 @@ Every create call gets its response-id rewriting (kvgate/routing/response_ids.py
 of its answer reach the client naming the endpoint that stores the response. A create with
 `previous_response_id` continues a conversation that only that endpoint holds: the id is
 decoded here (404 for an id the gateway did not issue or no endpoint of the fleet stores for
-this tenant, 503 when that endpoint is not taking requests), the request is pinned there (no
+this tenant, 400 for a model that endpoint does not serve, 503 when that endpoint is not
+taking requests), the request is pinned there (no
 model fallback, no routing by prefix, no retry elsewhere: `ctx.pinned`) and sent with the
 engine's own id in that field, the only change to its body. All of this before admission, so
 a refused request takes nothing.
@@ -62,6 +63,14 @@ class ResponsesStage:
             self.fleet, tenant.name, previous, "previous_response_id", self.key
         )
         self._check_served(ctx, endpoint.pool)
+        if endpoint.models and ctx.model not in endpoint.models:
+            raise InvalidRequest(
+                f"previous_response_id names a conversation stored on an engine that does not "
+                f"serve the model '{ctx.model}'; continue it with a model that engine serves: "
+                + ", ".join(f"'{m}'" for m in sorted(endpoint.models)),
+                param="model",
+                code="invalid_value",
+            )
         check_available(endpoint, generates=True)
         ctx.pinned = endpoint
         ids.named[engine_id] = previous
