@@ -29,7 +29,7 @@ def test_chunks_are_relayed_as_they_arrive(upstream, gateway):
     _, server = gateway
     arrivals = []
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=CHAT) as response:
-        assert response.headers["content-type"] == "text/event-stream"
+        assert response.headers["content-type"] == "text/event-stream; charset=utf-8"
         assert response.headers["cache-control"] == "no-cache"
         assert response.headers["x-accel-buffering"] == "no"
         for line in response.iter_lines():

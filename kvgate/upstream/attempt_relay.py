@@ -409,7 +409,7 @@ def _timed_out(expired: TimeoutError, deadline: float, phase: Phase) -> KvgateEr
 
 async def _commit(ctx: RequestContext, send: Send, first: bytes) -> None:
     headers = [
-        (b"content-type", b"text/event-stream"),
+        (b"content-type", b"text/event-stream; charset=utf-8"),  # as vLLM and SGLang send it
         (b"cache-control", b"no-cache"),
         (b"x-accel-buffering", b"no"),
         *_response_headers(ctx),
