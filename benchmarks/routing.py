@@ -660,10 +660,21 @@ def offline_figures(
     return ideals, estimates([p.at for p in plans], ideals.ttft_floors, args.engines)
 
 
+def _missing_trace(args: argparse.Namespace, workload: str) -> bool:
+    """Whether `workload` needs a trace file that is not there (said, and skipped)."""
+    trace = getattr(args, TRACE_OF.get(workload, ""), None)
+    if trace is not None and not trace.exists():
+        print(f"skipping {workload}: {trace} not found", flush=True)
+        return True
+    return False
+
+
 def print_estimates(args: argparse.Namespace) -> None:
     """`--estimates`: what no router can beat and what two idealised schedules would give,
     per workload and rate of `--rates`, without running anything."""
     for workload in args.workloads.split(","):
+        if _missing_trace(args, workload):
+            continue
         for label, rate in labelled_rates(args.rates, workload) or []:
             ideals, schedules = offline_figures(args, WORKLOADS[workload](rate, args))
             print(
@@ -694,9 +705,7 @@ def main() -> int:
     searches: dict[str, str] = {}
     if not args.micro:
         for workload in args.workloads.split(","):
-            trace = getattr(args, TRACE_OF.get(workload, ""), None)
-            if trace is not None and not trace.exists():
-                print(f"skipping {workload}: {trace} not found", flush=True)
+            if _missing_trace(args, workload):
                 continue
             mine, searches[workload] = run_workload(args, workload)
             rows += mine
