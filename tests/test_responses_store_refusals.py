@@ -74,6 +74,17 @@ def cancel(server: ServerThread, response_id: str) -> httpx.Response:
     )
 
 
+def raw_post(server: ServerThread, path: str) -> httpx.Response:
+    """POST `path` exactly as given (no client normalises its dots or escapes), as acme."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    try:
+        connection.request("POST", path, headers={"authorization": f"Bearer {ACME_KEY}"})
+        reply = connection.getresponse()
+        return httpx.Response(reply.status, headers=reply.getheaders(), content=reply.read())
+    finally:
+        connection.close()
+
+
 def continuation(server: ServerThread, response_id: str) -> httpx.Response:
     return create(server, previous_response_id=response_id)
 
@@ -265,14 +276,7 @@ def test_a_made_id_whose_engine_part_is_a_path_step_is_404(
     app, server = gateway
     made = client_id(engine_id, "acme", store_fleet.urls[0])
     before = received(store_fleet)
-    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
-    try:
-        path = f"/v1/responses/{quote(made, safe='')}/reset_prefix_cache"
-        connection.request("POST", path, headers={"authorization": f"Bearer {ACME_KEY}"})
-        reply = connection.getresponse()
-        answer = httpx.Response(reply.status, headers=reply.getheaders(), content=reply.read())
-    finally:
-        connection.close()
+    answer = raw_post(server, f"/v1/responses/{quote(made, safe='')}/reset_prefix_cache")
     assert_refused_cleanly(answer, 404, code, param, store_fleet, before, app, server)
 
 
@@ -294,12 +298,5 @@ def test_a_subpath_that_could_leave_the_ids_routes_is_404(store_fleet, gateway, 
     app, server = gateway
     response_id, _ = stored(store_fleet, server)
     before = received(store_fleet)
-    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
-    try:
-        path = f"/v1/responses/{response_id}{subpath}"
-        connection.request("POST", path, headers={"authorization": f"Bearer {ACME_KEY}"})
-        reply = connection.getresponse()
-        answer = httpx.Response(reply.status, headers=reply.getheaders(), content=reply.read())
-    finally:
-        connection.close()
+    answer = raw_post(server, f"/v1/responses/{response_id}{subpath}")
     assert_refused_cleanly(answer, 404, "unknown_url", None, store_fleet, before, app, server)
