@@ -105,6 +105,10 @@ class ClientGone(Exception):
     """The client disconnected before its request was read: nothing to answer."""
 
 
+# The largest count an engine reads (a 64-bit integer).
+_MAX_COUNT = 2**63 - 1
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -195,15 +199,20 @@ def _check_common(payload: dict[str, Any], route: str) -> bool:
 
 
 def _check_count(payload: dict[str, Any], key: str, least: int = 1) -> None:
-    """An optional count: an integer (`invalid_type` otherwise) of at least `least`
-    (`invalid_value`)."""
+    """An optional count: an integer or a whole float (`invalid_type` otherwise) of at least
+    `least` (`invalid_value`)."""
     value = payload.get(key)
     if value is None:
         return
-    if not _is_int(value):
+    # A whole float (`512.0`, what `json.dumps` writes for a computed budget) is an integer to
+    # the engines (pydantic's lax int); so is a number past 64 bits, which orjson reads as a
+    # float and no engine can serve.
+    if not (_is_int(value) or (isinstance(value, float) and value.is_integer())):
         raise InvalidRequest(f"'{key}' must be an integer", param=key, code="invalid_type")
     if value < least:
         raise InvalidRequest(f"'{key}' must be at least {least}", param=key, code="invalid_value")
+    if value > _MAX_COUNT:
+        raise InvalidRequest(f"'{key}' is too large", param=key, code="invalid_value")
 
 
 def _check_depth(body: bytes, payload: dict[str, Any]) -> None:

@@ -280,7 +280,8 @@ def reference_schema_ok(route: str, body: Any) -> bool:
     for key in ("max_tokens", "max_completion_tokens", "n"):
         value = body.get(key)
         least = 0 if echo_only and key == "max_tokens" else 1
-        if value is not None and not (_is_int(value) and value >= least):
+        whole = _is_int(value) or (isinstance(value, float) and value.is_integer())
+        if value is not None and not (whole and least <= value < 2**63):
             return False
     return True
 

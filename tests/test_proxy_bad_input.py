@@ -180,6 +180,12 @@ def test_invalid_bodies_are_400_naming_the_field(upstream, gateway, path, body, 
                 ],
             },
         ),
+        # Whole floats are integers to vLLM (`json.dumps` writes a computed budget so).
+        (
+            CHAT_URL,
+            {"model": "m1", "messages": [{"role": "user", "content": "x"}], "max_tokens": 512.0},
+        ),
+        (CHAT_URL, {"model": "m1", "messages": [{"role": "user", "content": "x"}], "n": 1.0}),
         # A completion that echoes its prompt and generates nothing (OpenAI's and vLLM's).
         ("/v1/completions", {"model": "m1", "prompt": "x", "echo": True, "max_tokens": 0}),
         # Empty `stream_options` without streaming: vLLM refuses only options that say
@@ -235,6 +241,8 @@ def test_a_user_message_with_no_content_parts_is_a_value_error(upstream, gateway
         (CHAT_URL, "n", -1, "invalid_value"),
         ("/v1/completions", "n", "2", "invalid_type"),
         ("/v1/completions", "max_tokens", 0, "invalid_value"),  # 0 only with echo
+        (CHAT_URL, "max_tokens", 2**63, "invalid_value"),  # past what an engine reads
+        (CHAT_URL, "n", 1e21, "invalid_value"),
         ("/v1/responses", "max_output_tokens", "5", "invalid_type"),
         ("/v1/responses", "max_output_tokens", 0, "invalid_value"),
     ],

@@ -115,7 +115,8 @@ class Classifier:
         if limit is None:
             limit = self.default_max_tokens
         n = payload.get("n")
-        return int(limit) * (n if isinstance(n, int) and n > 1 else 1) * _prompts(ctx)
+        choices = int(n) if isinstance(n, int | float) and n > 1 else 1  # ingress checked it
+        return int(limit) * choices * _prompts(ctx)
 
     def classify(self, ctx: RequestContext, tenant: Tenant) -> Intent:
         rule = next((r for r in self.class_rules if r.matches(ctx)), None)
