@@ -288,11 +288,12 @@ def reference_schema_ok(route: str, body: Any) -> bool:
 
 def _as_forwarded(route: str, body: dict[str, Any]) -> dict[str, Any]:
     """The body as the gateway forwards it: untouched, except that a chat or completions
-    stream asks the engine for usage unless the client asked or set `continuous_usage_stats`
+    stream asks the engine for usage unless the client asked (a `stream_options` object asks
+    unless it says otherwise, as the engines read it) or set `continuous_usage_stats`
     (kvgate/upstream/usage_request.py)."""
     options = body.get("stream_options")
     asks = isinstance(options, dict) and (
-        options.get("include_usage") is True or bool(options.get("continuous_usage_stats"))
+        options.get("include_usage", True) is True or bool(options.get("continuous_usage_stats"))
     )
     if route in ("chat", "completions") and body.get("stream") is True and not asks:
         return {**body, "stream_options": {**(options or {}), "include_usage": True}}

@@ -167,7 +167,9 @@ class ScriptedUpstream:
                 ],
             }
             await write(b"data: " + orjson.dumps(chunk) + b"\n\n")
-        if (payload.get("stream_options") or {}).get("include_usage"):
+        options = payload.get("stream_options")
+        # As vLLM and SGLang read it: a `stream_options` object asks for usage by default.
+        if isinstance(options, dict) and options.get("include_usage", True):
             usage = {
                 "id": "cmpl-1",
                 "object": "chat.completion.chunk",

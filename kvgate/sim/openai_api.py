@@ -122,7 +122,10 @@ def parse_generation(
         cache_salt=_optional_string(body.get("cache_salt"), "cache_salt"),
     )
     stream_options = body.get("stream_options")
-    include_usage = isinstance(stream_options, dict) and bool(stream_options.get("include_usage"))
+    # vLLM and SGLang: a `stream_options` object asks for usage unless it says otherwise.
+    include_usage = isinstance(stream_options, dict) and bool(
+        stream_options.get("include_usage", True)
+    )
     # vLLM names a request by the X-Request-Id header, else by the body's `request_id`.
     request_id = header_request_id or body.get("request_id") or uuid.uuid4().hex
     prefix = "chatcmpl-" if kind == CHAT else "cmpl-"

@@ -2,9 +2,10 @@
 prefix index honest (`kvgate/routing/cache_feedback.py`), and quota settlement wants real
 token counts. So a stream whose client did not ask for `stream_options.include_usage` is sent
 upstream asking for it, and the usage chunk (`choices: []`) is removed from what that client
-receives: the client gets the events it asked for and nothing more. Except when the client
-set `stream_options.continuous_usage_stats` without `include_usage`: vLLM and SGLang then send
-no usage at all, and asking for it would put usage on every chunk.
+receives: the client gets the events it asked for and nothing more. "Asked for" is as the
+engines read it: a `stream_options` object asks for usage unless its `include_usage` is false
+or null (vLLM's and SGLang's default is true). A client that turned `include_usage` off but
+set `continuous_usage_stats` is left as it is: asking would put usage on every chunk.
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ def request_usage(ctx: RequestContext) -> None:
         return
     options = ctx.payload.get("stream_options")
     if isinstance(options, dict) and (
-        options.get("include_usage") is True or options.get("continuous_usage_stats")
+        options.get("include_usage", True) is True or options.get("continuous_usage_stats")
     ):
-        # Asked for, or not to be asked for: with `continuous_usage_stats` (vLLM, SGLang) the
-        # engine puts usage on every chunk once `include_usage` is on, which the relay does
-        # not strip; such a stream's usage is estimated.
+        # Asked for: vLLM and SGLang read a `stream_options` object without `include_usage` as
+        # asking. Or not to be asked for: with `continuous_usage_stats` the engine puts usage
+        # on every chunk once `include_usage` is on, which the relay does not strip.
         return
     if "stream_options" in ctx.payload:  # an object without include_usage, or null
         kept = options if isinstance(options, dict) else {}

@@ -73,11 +73,14 @@ def test_a_null_stream_options_is_replaced_not_duplicated(upstream, start_gatewa
             {"include_usage": False, "continuous_usage_stats": False},
             {"include_usage": True, "continuous_usage_stats": False},
         ),
-        # vLLM and SGLang send usage on every chunk when both flags are on and none when only
-        # `continuous_usage_stats` is: the gateway must not ask then.
-        ({"continuous_usage_stats": True}, {"continuous_usage_stats": True}),
+        # vLLM and SGLang send usage on every chunk when both flags are on, and none when
+        # `include_usage` is off: the gateway must not ask then.
+        (
+            {"include_usage": False, "continuous_usage_stats": True},
+            {"include_usage": False, "continuous_usage_stats": True},
+        ),
     ],
-    ids=["asked-for", "continuous-stats-alone"],
+    ids=["asked-for", "continuous-stats-without-usage"],
 )
 def test_a_client_with_other_stream_options_keeps_them(upstream, start_gateway, options, forwarded):
     engine, up = upstream
@@ -91,6 +94,24 @@ def test_a_client_with_other_stream_options_keeps_them(upstream, start_gateway, 
     (received,) = engine.inference_requests
     assert received.body["stream_options"] == forwarded
     assert not any(b'"usage"' in e for e in _events(reply.content))
+
+
+def test_an_options_object_without_include_usage_asks_for_usage_as_the_engines_read_it(
+    upstream, start_gateway
+):
+    """vLLM and SGLang default `include_usage` to true in a `stream_options` object: such a
+    client gets the usage chunk it would get from the engine, and nothing is changed."""
+    engine, up = upstream
+    _app, server = start_gateway(gateway_config([up.url]))
+    for options in ({}, {"continuous_usage_stats": True}):
+        reply = httpx.post(
+            server.url + "/v1/chat/completions",
+            json={**CHAT, "stream_options": options},
+            timeout=10,
+        )
+        assert reply.status_code == 200
+        assert engine.inference_requests[-1].body["stream_options"] == options
+        assert any(b'"usage"' in e for e in _events(reply.content))
 
 
 def _feedback(capacity: int = 1000) -> tuple[PrefixIndex, CacheFeedback, PrefixHasher]:
