@@ -154,3 +154,24 @@ def test_a_usage_only_event_is_stripped_for_a_client_that_did_not_ask_and_the_re
         content + b"data: [DONE]\n\n"
     )
     assert scanner.usage == {"prompt_tokens": 5} and scanner.done
+
+
+def test_usage_on_a_content_event_is_taken_out_of_that_event_only():
+    """Some OpenAI-compatible servers put the usage on the last content event: a client that
+    did not ask for usage gets that event without it (its JSON re-serialised), the rest as
+    sent; one that asked gets every byte as sent."""
+    first = b'data: {"choices":[{"delta":{"content":"a"}}]}\r\n\r\n'
+    last = (
+        b'id: 7\r\ndata: {"choices":[{"delta":{"content":"b"},"finish_reason":"stop"}],'
+        b'"usage": {"prompt_tokens": 5, "completion_tokens": 2}}\r\n\r\n'
+    )
+    stream = first + last + b"data: [DONE]\r\n\r\n"
+    stripped = SseScanner(strip_usage=True)
+    assert stripped.feed(stream) == first + (
+        b'id: 7\r\ndata: {"choices":[{"delta":{"content":"b"},"finish_reason":"stop"}]}\r\n\r\n'
+        b"data: [DONE]\r\n\r\n"
+    )
+    assert stripped.usage == {"prompt_tokens": 5, "completion_tokens": 2}
+    assert stripped.data_events == 3
+    kept = SseScanner()
+    assert kept.feed(stream) == stream and kept.usage == stripped.usage

@@ -1,6 +1,7 @@
 """Incremental server-sent-events scanner for relayed engine streams.
 
-It never changes or re-serialises the bytes: it only finds event boundaries so the relay knows
+It changes no bytes but the usage the gateway asked for (below): it finds event boundaries so
+the relay knows
 when the first event arrived, whether the stream ended with `[DONE]` (or a Responses stream's
 last event) or an error event (vLLM's two shapes, and a Responses stream's `error` event,
 which ends such a stream at OpenAI), and what usage the engine reported. Only events that may
@@ -11,7 +12,9 @@ a stream that breaks mid-event never leaves half an event before the error event
 
 With `strip_usage` the usage-only event (`choices` empty, `usage` set: what
 `stream_options.include_usage` adds before `[DONE]`) is read and left out of the returned
-bytes, for clients that did not ask for it (the gateway did). An error event is left out too,
+bytes, for clients that did not ask for it (the gateway did); an engine that puts the usage on
+its last content event instead (some OpenAI-compatible servers) has that event's JSON
+re-serialised without it. An error event is left out too,
 with everything after it: the relay sends the client the error in OpenAI's shape instead, as
 the stream's last event (engines put their own vocabulary in it, and vLLM a `[DONE]` after it).
 
@@ -136,19 +139,19 @@ class SseScanner:
         if tail:
             self._hold(tail)
         cut = len(buffer) - len(tail)
-        dropped: list[bytes] = []
+        changed: list[tuple[bytes, bytes]] = []
         for index, event in enumerate(events):
-            leave_out = self._event(event)
+            instead = self._event(event)
             if self.error is not None:  # the error and what follows it are not relayed
                 cut = _start_of(buffer, events, index)
                 self._arriving.clear()
                 self._arriving_bytes = 0
                 break
-            if leave_out:
-                dropped.append(event)
+            if instead is not None:
+                changed.append((event, instead))
         out = buffer[:cut]
-        for event in dropped:
-            out = _without(out, event)
+        for event, instead in changed:
+            out = _replaced(out, event, instead)
         return out
 
     def _hold(self, part: bytes) -> None:
@@ -167,29 +170,35 @@ class SseScanner:
         self._arriving_bytes = 0
         return tail
 
-    def _event(self, event: bytes) -> bool:
-        """Read one event; True when it is to be left out of the relayed bytes (a usage-only
-        event the client did not ask for, an error)."""
+    def _event(self, event: bytes) -> bytes | None:
+        """Read one event; None to relay it as it came, else the bytes to relay instead (b"":
+        none, for a usage-only event the client did not ask for; the event without its usage,
+        for a content event that carries it)."""
         data = event_data(event)
         if data is None:
-            return False
+            return None
         data = data.strip()
         if data == b"[DONE]":
             self.data_events += 1
             self.done = True
-            return False
+            return None
         if data[:1] != b"{" or data[-1:] != b"}":
             raise SseProtocolError("the engine sent a malformed event (not a JSON object)")
         if _WORTH_READING.search(data) is None:
             self.data_events += 1
-            return False
+            return None
         if any(name in data for name in _RESPONSES_LAST_NAMES):
             self._responses_event(data)
         readable = b'"error"' in data or (b'"usage"' in data and not _NULL_USAGE.search(data))
-        if readable and self._inspect(data) and self.strip_usage:
-            return True
+        parsed = self._inspect(data) if readable else None
+        if parsed is not None and self.strip_usage and isinstance(parsed.get("usage"), dict):
+            if not parsed.get("choices"):
+                return b""
+            self.data_events += 1
+            del parsed["usage"]
+            return event.replace(data, orjson.dumps(parsed), 1)
         self.data_events += 1
-        return False
+        return None
 
     def _responses_event(self, data: bytes) -> None:
         """OpenAI Responses streams have no `[DONE]`: their last event (`response.completed`,
@@ -209,14 +218,15 @@ class SseScanner:
             self.usage = in_chat_terms(usage)
             self.model = _model_of(response)
 
-    def _inspect(self, data: bytes) -> bool:
-        """Read an event that may carry an error or usage; True for a usage-only event."""
+    def _inspect(self, data: bytes) -> dict[str, Any] | None:
+        """Read an event that may carry an error or usage; the event's object, unless it is
+        (or carries) an error or is not an object."""
         try:
             parsed = orjson.loads(data)
         except orjson.JSONDecodeError:
-            return False
+            return None
         if not isinstance(parsed, dict):
-            return False
+            return None
         error = parsed.get("error")
         if isinstance(error, dict):
             self.error = error
@@ -224,12 +234,13 @@ class SseScanner:
             self.error = parsed
         elif parsed.get("type") == "error":  # a Responses stream's `error` event
             self.error = {key: parsed[key] for key in _ERROR_FIELDS if key in parsed}
+        if self.error is not None:
+            return None
         usage = parsed.get("usage")
         if isinstance(usage, dict):
             self.usage = usage
             self.model = _model_of(parsed)
-            return self.error is None and not parsed.get("choices")
-        return False
+        return parsed
 
 
 def _model_of(answer: dict[str, Any]) -> str | None:
@@ -245,9 +256,11 @@ def _start_of(buffer: bytes, events: list[bytes], index: int) -> int:
     return buffer.index(events[index], position)
 
 
-def _without(out: bytes, event: bytes) -> bytes:
-    """`out` without `event` and the blank line that ends it."""
+def _replaced(out: bytes, event: bytes, instead: bytes) -> bytes:
+    """`out` with `event` replaced by `instead`; b"": without it and the blank line that ends
+    it."""
     start = out.rindex(event)
     end = start + len(event)
-    end += 4 if out[end : end + 2] == b"\r\n" else 2
-    return out[:start] + out[end:]
+    if not instead:
+        end += 4 if out[end : end + 2] == b"\r\n" else 2
+    return out[:start] + instead + out[end:]

@@ -114,6 +114,30 @@ def test_an_options_object_without_include_usage_asks_for_usage_as_the_engines_r
         assert any(b'"usage"' in e for e in _events(reply.content))
 
 
+def test_usage_an_engine_puts_on_its_last_content_chunk_reaches_only_clients_that_asked(
+    upstream, start_gateway
+):
+    engine, up = upstream
+    last = {
+        "choices": [{"index": 0, "delta": {"content": "b"}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7},
+    }
+    engine.script.stream_body = (
+        b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
+        + b"data: "
+        + orjson.dumps(last)
+        + b"\n\ndata: [DONE]\n\n"
+    )
+    _app, server = start_gateway(gateway_config([up.url]))
+    url = server.url + "/v1/chat/completions"
+    plain = httpx.post(url, json=CHAT, timeout=10)
+    asked = httpx.post(url, json={**CHAT, "stream_options": {"include_usage": True}}, timeout=10)
+    assert plain.status_code == asked.status_code == 200
+    assert not any(b'"usage"' in e for e in _events(plain.content))
+    assert b'"content":"b"' in plain.content and plain.content.endswith(b"data: [DONE]\n\n")
+    assert orjson.loads(_events(asked.content)[1][len(b"data: ") :]) == last
+
+
 def _feedback(capacity: int = 1000) -> tuple[PrefixIndex, CacheFeedback, PrefixHasher]:
     index = PrefixIndex(default_capacity=capacity)
     index.add_endpoints(["e"])
