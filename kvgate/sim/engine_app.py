@@ -418,8 +418,9 @@ class EngineApp:
         created = now_seconds()
         await send({"type": "http.response.start", "status": 200, "headers": _SSE})
         events: list[bytes] = []
+        sglang = self._options.flavor == "sglang"
         if generation.kind == CHAT:
-            events.append(_event(stream_chunk(generation, created, None, role=True)))
+            events.append(_event(stream_chunk(generation, created, None, role=True, sglang=sglang)))
         mode = fault.mode if fault is not None else None
         trigger = fault.tokens if fault is not None else 0
         sent = 0
@@ -447,12 +448,20 @@ class EngineApp:
                 released_chars = max(released_chars, limit)
             else:
                 pieces = new_tokens
-            if finished and not pieces:
+            # SGLang's chat streams end with a chunk of their own that carries the finish
+            # reason and an empty delta; vLLM's carry it on the last content chunk.
+            apart = sglang and generation.kind == CHAT
+            if finished and not pieces and not apart:
                 pieces = [""]
             last = len(pieces) - 1
             for index, piece in enumerate(pieces):
-                reason = request.finish_reason if finished and index == last else None
-                events.append(_event(stream_chunk(generation, created, piece, reason)))
+                reason = request.finish_reason if finished and index == last and not apart else None
+                events.append(
+                    _event(stream_chunk(generation, created, piece, reason, sglang=sglang))
+                )
+            if finished and apart:
+                finish = stream_chunk(generation, created, None, request.finish_reason, sglang=True)
+                events.append(_event(finish))
             if fires:
                 await send(
                     {"type": "http.response.body", "body": b"".join(events), "more_body": True}

@@ -294,8 +294,11 @@ def stream_chunk(
     finish_reason: str | None = None,
     *,
     role: bool = False,
+    sglang: bool = False,
 ) -> dict[str, Any]:
-    """One streamed chunk; `role=True` makes the chat opening chunk."""
+    """One streamed chunk; `role=True` makes the chat opening chunk. SGLang's chunks name the
+    matched stop `matched_stop` (on every choice) where vLLM's say `stop_reason` (when
+    finishing)."""
     request = generation.request
     choice: dict[str, Any]
     if generation.kind == CHAT:
@@ -307,7 +310,9 @@ def stream_chunk(
     else:
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
         object_name = "text_completion"
-    if finish_reason is not None:
+    if sglang:
+        choice["matched_stop"] = request.stop_reason if finish_reason is not None else None
+    elif finish_reason is not None:
         choice["stop_reason"] = request.stop_reason
     return {
         "id": request.request_id,

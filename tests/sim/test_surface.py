@@ -2,6 +2,7 @@
 
 import httpx
 import openai
+import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -260,3 +261,25 @@ def test_a_request_is_named_as_the_engine_names_it(flavor):
     named = "from-header" if flavor == "vllm" else "from-body"
     assert headed.json()["id"] == f"chatcmpl-{named}"
     assert plain.json()["id"] == "chatcmpl-from-body"
+
+
+@pytest.mark.parametrize("flavor", ["vllm", "sglang"])
+def test_a_chat_stream_ends_as_the_engine_ends_it(flavor):
+    """vLLM puts the finish reason (and `stop_reason`) on the last content chunk; SGLang sends
+    it in a chunk of its own with an empty delta, naming the stop `matched_stop`."""
+    options = EngineOptions(speed=50, flavor=flavor)
+    with SimFleet.in_thread(engines=1, options=options) as fleet:
+        body = chat_body("hello", max_tokens=3, stream=True, ignore_eos=True)
+        raw = httpx.post(fleet.urls[0] + "/v1/chat/completions", json=body, timeout=10).content
+    events = [e.removeprefix(b"data: ") for e in raw.split(b"\n\n") if e]
+    assert events[-1] == b"[DONE]"
+    choices = [orjson.loads(e)["choices"][0] for e in events[:-1]]
+    text = "".join(c["delta"].get("content") or "" for c in choices)
+    assert [c["finish_reason"] for c in choices].count("length") == 1 and text
+    last = choices[-1]
+    assert last["finish_reason"] == "length"
+    if flavor == "sglang":
+        assert last["delta"] == {} and last["matched_stop"] is None
+        assert all("stop_reason" not in c for c in choices)
+    else:
+        assert last["delta"]["content"] and last["stop_reason"] is None
