@@ -24,15 +24,18 @@ import argparse
 import csv
 import datetime
 import json
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 MODEL = "sim-model"
-# Local copies of the public files (README: Public traces) on the benchmark machine.
-DEFAULT_TRACE = Path("/work/shared/data/mooncake/synthetic_trace.jsonl")
-DEFAULT_AZURE_TRACE = DEFAULT_TRACE.parent.parent / "azure" / "AzureLLMInferenceTrace_conv.csv"
+# Local copies of the public files (README: Public traces): in $KVGATE_TRACE_DIR, else in the
+# data folder that the benchmark machines keep beside the repository's checkout.
+TRACE_DIR = Path(os.environ.get("KVGATE_TRACE_DIR") or Path(__file__).parents[2] / "shared/data")
+DEFAULT_TRACE = TRACE_DIR / "mooncake" / "synthetic_trace.jsonl"
+DEFAULT_AZURE_TRACE = TRACE_DIR / "azure" / "AzureLLMInferenceTrace_conv.csv"
 _WORD_TEXT = (
     "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike "
     "november oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee "
