@@ -11,9 +11,9 @@ of its answer reach the client naming the endpoint that stores the response. A c
 `previous_response_id` continues a conversation that only that endpoint holds: the id is
 decoded here (404 for an id the gateway did not issue or no endpoint of the fleet stores for
 this tenant, 400 for a model that endpoint does not serve, 503 when that endpoint is not
-taking requests), the request is pinned there (no
-model fallback, no routing by prefix, no retry elsewhere: `ctx.pinned`) and sent with the
-engine's own id in that field, the only change to its body. All of this before admission, so
+taking requests), the request is pinned there (no model fallback, no routing by prefix, no
+retry elsewhere: `ctx.pinned`) and sent with the engine's own id in that field, the only
+change to its body. All of this before admission, so
 a refused request takes nothing.
 
 A background create (`background: true`) is answered at once, and the engine generates after;

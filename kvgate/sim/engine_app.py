@@ -419,6 +419,9 @@ class EngineApp:
         await send({"type": "http.response.start", "status": 200, "headers": _SSE})
         events: list[bytes] = []
         sglang = self._options.flavor == "sglang"
+        # SGLang's chat streams end with a chunk of their own that carries the finish reason
+        # and an empty delta; vLLM's carry it on the last content chunk.
+        apart = sglang and generation.kind == CHAT
         if generation.kind == CHAT:
             events.append(_event(stream_chunk(generation, created, None, role=True, sglang=sglang)))
         mode = fault.mode if fault is not None else None
@@ -448,9 +451,6 @@ class EngineApp:
                 released_chars = max(released_chars, limit)
             else:
                 pieces = new_tokens
-            # SGLang's chat streams end with a chunk of their own that carries the finish
-            # reason and an empty delta; vLLM's carry it on the last content chunk.
-            apart = sglang and generation.kind == CHAT
             if finished and not pieces and not apart:
                 pieces = [""]
             last = len(pieces) - 1

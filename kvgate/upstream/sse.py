@@ -1,11 +1,10 @@
 """Incremental server-sent-events scanner for relayed engine streams.
 
 It changes no bytes but the usage the gateway asked for (below): it finds event boundaries so
-the relay knows
-when the first event arrived, whether the stream ended with `[DONE]` (or a Responses stream's
-last event) or an error event (vLLM's two shapes, and a Responses stream's `error` event,
-which ends such a stream at OpenAI), and what usage the engine reported. Only events that may
-carry usage, an error or the end of a Responses stream are JSON-parsed.
+the relay knows when the first event arrived, whether the stream ended with `[DONE]` (or a
+Responses stream's last event) or an error event (vLLM's two shapes, and a Responses stream's
+`error` event, which ends such a stream at OpenAI), and what usage the engine reported. Only
+events that may carry usage, an error or the end of a Responses stream are JSON-parsed.
 
 `feed` returns the bytes of the events it completed, so the relay forwards whole events only:
 a stream that breaks mid-event never leaves half an event before the error event.
@@ -14,9 +13,9 @@ With `strip_usage` the usage-only event (`choices` empty, `usage` set: what
 `stream_options.include_usage` adds before `[DONE]`) is read and left out of the returned
 bytes, for clients that did not ask for it (the gateway did); an engine that puts the usage on
 its last content event instead (some OpenAI-compatible servers) has that event's JSON
-re-serialised without it. An error event is left out too,
-with everything after it: the relay sends the client the error in OpenAI's shape instead, as
-the stream's last event (engines put their own vocabulary in it, and vLLM a `[DONE]` after it).
+re-serialised without it. An error event is left out too, with everything after it: the relay
+sends the client the error in OpenAI's shape instead, as the stream's last event (engines put
+their own vocabulary in it, and vLLM a `[DONE]` after it).
 
 An event may be large (a completions stream with `echo` and `logprobs` puts the whole prompt's
 log-probabilities in its first event, hundreds of bytes a token): the bytes of an event still
